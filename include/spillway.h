@@ -1,0 +1,173 @@
+/*
+ * spillway: use more GPU memory than the card has, on purpose and at the speed of the link.
+ *
+ * The only public header. It needs no CUDA header: streams are `struct CUstream_st *`, the same
+ * type as `cudaStream_t` and `CUstream`, so CUDA programs pass their streams unchanged.
+ *
+ * Thread safety: every function may be called from any thread at any time. Calls on one context
+ * are serialised internally where they touch shared state; the allocator's hot path takes one
+ * uncontended lock and makes no system call. Destroying a context while another thread uses it
+ * is the caller's error.
+ *
+ * Errors: every function that can fail returns an spw_status. On failure, spw_last_error() gives
+ * a message for the calling thread naming the numbers involved (requested bytes, budget, held,
+ * ...). A failed call changes nothing unless its documentation says otherwise.
+ */
+#ifndef SPILLWAY_H
+#define SPILLWAY_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPW_VERSION_MAJOR 0
+#define SPW_VERSION_MINOR 1
+#define SPW_VERSION_PATCH 0
+#define SPW_VERSION_STRING "0.1.0"
+
+#if defined(__GNUC__)
+#define SPW_API __attribute__((visibility("default")))
+#else
+#define SPW_API
+#endif
+
+typedef enum spw_status {
+    SPW_OK = 0,
+    SPW_ERR_INVALID_ARGUMENT, /* NULL handle, zero or absurd size, bad flag */
+    SPW_ERR_OUT_OF_MEMORY,    /* the device budget (or the device) cannot satisfy the request */
+    SPW_ERR_HOST_OUT_OF_MEMORY, /* the pinned host budget or host memory is exhausted */
+    SPW_ERR_CONFIG,           /* unknown option or bad option value */
+    SPW_ERR_BACKEND,          /* the backend (CUDA or emu) reported a failure */
+    SPW_ERR_UNSUPPORTED,      /* the backend or device cannot do this */
+    SPW_ERR_NOT_FOUND,        /* pointer or handle not owned by this context */
+    SPW_ERR_STATE,            /* call not valid in the object's current state (double free, ...) */
+    SPW_ERR_NOT_READY,        /* asynchronous work still pending (queries only) */
+    SPW_ERR_IO,               /* file could not be read or written */
+    SPW_ERR_PARSE,            /* malformed input file; the message names the line */
+    SPW_ERR_NO_DEVICE,        /* no usable GPU */
+    SPW_STATUS_COUNT_
+} spw_status;
+
+/* Static name of a status code ("SPW_ERR_OUT_OF_MEMORY"); never NULL. */
+SPW_API const char *spw_status_str(spw_status status);
+
+/* Message describing the last failure on the calling thread; "" if none. The text stays valid
+ * until the next failing spillway call on the same thread. */
+SPW_API const char *spw_last_error(void);
+
+/* Library version string, e.g. "0.1.0". */
+SPW_API const char *spw_version(void);
+
+typedef struct CUstream_st *spw_stream; /* NULL is the default stream */
+typedef struct spw_ctx spw_ctx;
+typedef struct spw_config spw_config;
+
+/* ---------------------------------------------------------------------------------------------
+ * Configuration. One options table; `spillway --help-options` lists it. Values are strings:
+ * sizes take B, KiB, MiB, GiB, TiB (and K, M, G, T as the same binary units) or N% of the device.
+ * Options: budget, backend (auto|cuda|emu), device, on_exhaust (fail|evict), vmm (auto|on|off),
+ * emu_capacity, ... An unknown key or bad value fails with SPW_ERR_CONFIG naming the key.
+ * ------------------------------------------------------------------------------------------- */
+
+/* New configuration holding every option's default. */
+SPW_API spw_status spw_config_create(spw_config **out);
+SPW_API void spw_config_destroy(spw_config *cfg);
+/* Set one option. On error the configuration is unchanged. */
+SPW_API spw_status spw_config_set(spw_config *cfg, const char *key, const char *value);
+/* Apply a list "key=value,key=value". All or nothing: on error nothing is applied. */
+SPW_API spw_status spw_config_parse(spw_config *cfg, const char *list);
+/* Apply the SPILLWAY_CONF environment variable, if set (all or nothing). */
+SPW_API spw_status spw_config_from_env(spw_config *cfg);
+/* Current value of an option as text, written to buf (always NUL-terminated). */
+SPW_API spw_status spw_config_get(const spw_config *cfg, const char *key, char *buf, size_t len);
+/* Print the options table (name, default, help) to f. */
+SPW_API void spw_config_print_help(FILE *f);
+
+/* Parse a size ("6GiB", "512M", "1048576"). Percentages are refused here. */
+SPW_API spw_status spw_parse_size(const char *text, size_t *out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Context: one device, one backend, one budget.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Create a context. cfg may be NULL: defaults, then SPILLWAY_CONF. A non-NULL cfg is used as
+ * given (call spw_config_from_env on it to honour the environment). */
+SPW_API spw_status spw_ctx_create(const spw_config *cfg, spw_ctx **out);
+/* Destroy a context: waits for its streams' work, returns all memory. Live allocations are
+ * released (and counted as leaked in the summary). NULL is accepted and ignored. */
+SPW_API spw_status spw_ctx_destroy(spw_ctx *ctx);
+/* "cuda" or "emu". */
+SPW_API const char *spw_ctx_backend(const spw_ctx *ctx);
+/* The resolved device budget in bytes. */
+SPW_API size_t spw_ctx_budget(const spw_ctx *ctx);
+
+/* Streams of the context's backend (on cuda these are ordinary CUDA streams). */
+SPW_API spw_status spw_stream_create(spw_ctx *ctx, spw_stream *out);
+SPW_API spw_status spw_stream_destroy(spw_ctx *ctx, spw_stream stream);
+SPW_API spw_status spw_stream_synchronize(spw_ctx *ctx, spw_stream stream);
+/* Enqueue fn(arg) on stream, ordered like a kernel. On emu this is how "kernels" run. fn must
+ * not call spillway or the backend. */
+SPW_API spw_status spw_launch_host(spw_ctx *ctx, spw_stream stream, void (*fn)(void *), void *arg);
+
+/* ---------------------------------------------------------------------------------------------
+ * Caching device allocator.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Allocate bytes of device memory for use on stream. The memory may be used by work enqueued on
+ * stream after this call (and on other streams only after the caller orders them after it).
+ * Never exceeds the budget: on exhaustion it reuses cached blocks, then releases cached memory,
+ * then fails with SPW_ERR_OUT_OF_MEMORY. *out is untouched on failure. Alignment: 512 bytes. */
+SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, void **out);
+/* Free ptr. Work already enqueued on `stream` that uses ptr may still run: the block is reused
+ * by later allocations on the same stream at once, by other streams only after that work. The
+ * stream must be one on which the last use of ptr was enqueued. */
+SPW_API spw_status spw_free(spw_ctx *ctx, void *ptr, spw_stream stream);
+/* Return all cached (free) device memory to the backend. Waits for pending frees. */
+SPW_API spw_status spw_empty_cache(spw_ctx *ctx);
+
+/* ---------------------------------------------------------------------------------------------
+ * Statistics: one list, from which the struct, the JSON and the summary are generated.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct spw_counter {
+    int64_t current; /* for levels: now; for events: same as total */
+    int64_t peak;
+    int64_t total;   /* for levels: sum of increases; for events: count */
+} spw_counter;
+
+/* X(name, is_bytes, description) */
+#define SPW_STAT_LIST(X)                                                                      \
+    X(held, 1, "device bytes held from the backend")                                          \
+    X(live, 1, "device bytes in live allocations")                                            \
+    X(cached, 1, "held device bytes not in live allocations")                                 \
+    X(requested, 1, "device bytes asked for by live allocations (before rounding)")           \
+    X(segments, 0, "mapped segments (chunks) held from the backend")                          \
+    X(allocs, 0, "spw_malloc calls that succeeded")                                           \
+    X(frees, 0, "spw_free calls that succeeded")                                              \
+    X(backend_allocs, 0, "calls that obtained device memory from the backend")               \
+    X(backend_frees, 0, "calls that returned device memory to the backend")                  \
+    X(cross_stream_waits, 0, "reuses of a block on another stream, ordered by an event")      \
+    X(ooms, 0, "allocations refused for lack of memory")
+
+typedef struct spw_stats {
+#define SPW_STAT_FIELD_(name, is_bytes, desc) spw_counter name;
+    SPW_STAT_LIST(SPW_STAT_FIELD_)
+#undef SPW_STAT_FIELD_
+    uint64_t budget;
+    uint64_t largest_free_block;
+} spw_stats;
+
+SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out);
+/* Readable table of the statistics. */
+SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f);
+/* The same as one JSON object (no trailing newline). */
+SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SPILLWAY_H */

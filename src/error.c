@@ -1,0 +1,74 @@
+/* Status names and the thread-local error message. */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+static _Thread_local char tls_msg[1024];
+
+static const char *const status_names[SPW_STATUS_COUNT_] = {
+    [SPW_OK] = "SPW_OK",
+    [SPW_ERR_INVALID_ARGUMENT] = "SPW_ERR_INVALID_ARGUMENT",
+    [SPW_ERR_OUT_OF_MEMORY] = "SPW_ERR_OUT_OF_MEMORY",
+    [SPW_ERR_HOST_OUT_OF_MEMORY] = "SPW_ERR_HOST_OUT_OF_MEMORY",
+    [SPW_ERR_CONFIG] = "SPW_ERR_CONFIG",
+    [SPW_ERR_BACKEND] = "SPW_ERR_BACKEND",
+    [SPW_ERR_UNSUPPORTED] = "SPW_ERR_UNSUPPORTED",
+    [SPW_ERR_NOT_FOUND] = "SPW_ERR_NOT_FOUND",
+    [SPW_ERR_STATE] = "SPW_ERR_STATE",
+    [SPW_ERR_NOT_READY] = "SPW_ERR_NOT_READY",
+    [SPW_ERR_IO] = "SPW_ERR_IO",
+    [SPW_ERR_PARSE] = "SPW_ERR_PARSE",
+    [SPW_ERR_NO_DEVICE] = "SPW_ERR_NO_DEVICE",
+};
+
+SPW_API const char *spw_status_str(spw_status status) {
+    if ((unsigned)status >= SPW_STATUS_COUNT_) return "SPW_ERR_UNKNOWN";
+    return status_names[status];
+}
+
+SPW_API const char *spw_last_error(void) { return tls_msg; }
+
+SPW_API const char *spw_version(void) { return SPW_VERSION_STRING; }
+
+spw_status spw__verror(spw_status status, const char *fmt, va_list ap) {
+    vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+    return status;
+}
+
+spw_status spw__error(spw_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    spw__verror(status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+spw_status spw__error_prefix(spw_status status, const char *fmt, ...) {
+    char prev[sizeof tls_msg];
+    memcpy(prev, tls_msg, sizeof prev);
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+    va_end(ap);
+    if (n >= 0 && (size_t)n < sizeof tls_msg)
+        snprintf(tls_msg + n, sizeof tls_msg - (size_t)n, ": %s", prev);
+    return status;
+}
+
+void spw__error_clear(void) { tls_msg[0] = '\0'; }
+
+const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes) {
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024.0 && u < 4) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+    else
+        snprintf(buf, len, "%.2f %s (%llu B)", v, units[u], (unsigned long long)bytes);
+    return buf;
+}

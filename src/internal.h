@@ -1,0 +1,165 @@
+/*
+ * Internal declarations, grouped by the file that defines them. Nothing here is public API;
+ * tests link the static library and may use these.
+ */
+#ifndef SPW_INTERNAL_H
+#define SPW_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "spillway.h"
+
+#define SPW_KiB ((size_t)1 << 10)
+#define SPW_MiB ((size_t)1 << 20)
+#define SPW_GiB ((size_t)1 << 30)
+#define SPW_TiB ((size_t)1 << 40)
+
+#define SPW_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define SPW_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define SPW_ALIGN_UP(x, a) (((x) + ((a)-1)) / (a) * (a))
+#define SPW_ALIGN_DOWN(x, a) ((x) / (a) * (a))
+
+#if defined(__GNUC__)
+#define SPW_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define SPW_LIKELY(x) __builtin_expect(!!(x), 1)
+#define SPW_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define SPW_PRINTF(f, a)
+#define SPW_LIKELY(x) (x)
+#define SPW_UNLIKELY(x) (x)
+#endif
+
+/* ---- error.c ---- */
+
+/* Set the calling thread's message and return status (so callers write `return spw__error(...)`). */
+spw_status spw__error(spw_status status, const char *fmt, ...) SPW_PRINTF(2, 3);
+spw_status spw__verror(spw_status status, const char *fmt, va_list ap);
+/* Prefix the current thread's message with "what: " (keeps the status). */
+spw_status spw__error_prefix(spw_status status, const char *fmt, ...) SPW_PRINTF(2, 3);
+void spw__error_clear(void);
+/* Format bytes as "1.50 GiB (1610612736 B)" into buf. */
+const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes);
+
+/* ---- options.c ---- */
+
+typedef enum spw_backend_kind { SPW_BACKEND_AUTO, SPW_BACKEND_CUDA, SPW_BACKEND_EMU } spw_backend_kind;
+typedef enum spw_exhaust_mode { SPW_EXHAUST_EVICT, SPW_EXHAUST_FAIL } spw_exhaust_mode;
+typedef enum spw_tristate { SPW_TRI_AUTO, SPW_TRI_ON, SPW_TRI_OFF } spw_tristate;
+
+/* A size that may be a percentage of the device. */
+typedef struct spw_size_opt {
+    size_t bytes;   /* when !percent */
+    double percent; /* 0 < percent <= 100 when percent */
+    bool is_percent;
+} spw_size_opt;
+
+/* Every option, by name. Adding an option = one X line + its field + parse kind. */
+struct spw_config {
+    spw_size_opt budget;        /* device budget */
+    spw_backend_kind backend;
+    int device;
+    spw_exhaust_mode on_exhaust;
+    spw_tristate vmm;
+    size_t vmm_page;            /* emu: VMM granularity */
+    double frag_slack;          /* held may exceed live by this fraction before cache is trimmed */
+    size_t emu_capacity;
+    size_t small_limit;         /* requests at most this go to the small-block arena */
+};
+
+/* Resolve a size option against a device total. */
+size_t spw__size_resolve(const spw_size_opt *o, size_t device_total);
+/* Parse "N%" or a size. */
+spw_status spw__parse_size_opt(const char *text, spw_size_opt *out);
+
+/* ---- arena.c: best-fit, split/coalesce, stream-ordered, budgeted, over VA with page maps ---- */
+
+typedef struct spw_arena spw_arena;
+typedef struct spw_block spw_block;
+struct spw_ctx;
+
+typedef struct spw_arena_params {
+    spw_backend *backend;
+    struct spw_ctx *ctx;     /* owner: budget and stats live there */
+    size_t reserve_bytes;    /* VA to reserve (VMM mode) */
+    size_t page;             /* mapping granularity (VMM) or segment rounding */
+    size_t min_segment;      /* non-VMM: smallest segment to allocate */
+    bool vmm;
+    const char *name;        /* "small" / "large" */
+} spw_arena_params;
+
+spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out);
+void spw__arena_destroy(spw_arena *a);
+/* The following are called with the context lock held. */
+spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
+void spw__arena_free(spw_arena *a, spw_block *b, spw_stream s);
+/* Release cached memory until at least `want` bytes are released or nothing is left
+ * (want == SIZE_MAX: everything). Synchronizes the streams of released blocks. */
+spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
+size_t spw__arena_largest_free(const spw_arena *a);
+void *spw__block_ptr(const spw_block *b);
+size_t spw__block_size(const spw_block *b);
+/* Walk every block (tests, invariants): fn(addr, size, state) where state 0 hole, 1 free, 2 live. */
+void spw__arena_walk(const spw_arena *a, void (*fn)(void *u, uintptr_t addr, size_t size, int state), void *u);
+/* Check internal invariants; returns SPW_OK or SPW_ERR_STATE with a message. */
+spw_status spw__arena_check(const spw_arena *a);
+
+/* ---- ctx.c ---- */
+
+typedef struct spw_live spw_live; /* ptr -> block map entry */
+
+struct spw_ctx {
+    pthread_mutex_t lock;
+    spw_config cfg;
+    spw_backend *backend;
+    spw_device_info dev;
+    size_t budget;
+    spw_arena *small;
+    spw_arena *large;
+    spw_live *live_map;         /* uthash by pointer */
+    spw_stats stats;            /* guarded by lock */
+};
+
+/* Charge/refund held bytes against the budget. charge fails (changing nothing) past the budget. */
+bool spw__ctx_can_hold(const struct spw_ctx *ctx, size_t more);
+void spw__stat_add(spw_counter *c, int64_t delta);
+void spw__stat_event(spw_counter *c);
+/* Fill the out-of-memory message for a request of `bytes`. */
+spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
+
+/* ---- stats.c ---- */
+void spw__stats_print_table(const spw_stats *st, const char *backend, FILE *f);
+void spw__stats_print_json(const spw_stats *st, const char *backend, FILE *f);
+
+/* ---- trace.c: allocation traces (gzip or text) ---- */
+
+typedef struct spw_trace_op {
+    char kind;            /* 'a' or 'f' */
+    uint64_t id;
+    uint64_t bytes;       /* 'a' only */
+    uint64_t stream;      /* 'a' only */
+} spw_trace_op;
+
+typedef struct spw_trace {
+    spw_trace_op *ops;
+    size_t count;
+} spw_trace;
+
+/* Load a whole trace; SPW_ERR_PARSE names the line on malformed input. */
+spw_status spw__trace_load(const char *path, spw_trace *out);
+void spw__trace_free(spw_trace *t);
+
+/* ---- clock ---- */
+static inline uint64_t spw__now_ns(void);
+#include <time.h>
+static inline uint64_t spw__now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+#endif /* SPW_INTERNAL_H */

@@ -1,0 +1,43 @@
+/* Shared helpers for the cmocka tests. */
+#ifndef SPW_TEST_UTIL_H
+#define SPW_TEST_UTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+/* cmocka.h needs the above first */
+#include <cmocka.h>
+
+#include "internal.h"
+
+/* Context on the backend named by SPW_TEST_BACKEND (emu unless set to cuda), with `conf`
+ * ("key=value,...", may be NULL) applied on top. Fails the test on error. */
+spw_ctx *test_ctx(const char *conf);
+/* 1 when tests run against emu (fault injection and exact-capacity tests need it). */
+int test_on_emu(void);
+/* Skip the current test unless on emu. */
+#define TEST_REQUIRE_EMU()                                                                     \
+    do {                                                                                       \
+        if (!test_on_emu()) skip();                                                            \
+    } while (0)
+/* assert a status, printing spw_last_error() on mismatch */
+#define assert_status(expr, want)                                                              \
+    do {                                                                                       \
+        spw_status st_ = (expr);                                                               \
+        if (st_ != (want))                                                                     \
+            fail_msg("%s returned %s (want %s): %s", #expr, spw_status_str(st_),             \
+                     spw_status_str(want), spw_last_error());                                  \
+    } while (0)
+#define assert_ok(expr) assert_status(expr, SPW_OK)
+
+/* xorshift PRNG, deterministic per seed */
+static inline uint64_t test_rand(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *s = x;
+}
+
+#endif

@@ -1,0 +1,9 @@
+/* Placeholder until its issue lands: says so and fails. */
+#include "cli.h"
+
+int spw_cmd_probe(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "spillway: 'probe' is not implemented yet\n");
+    return 2;
+}
