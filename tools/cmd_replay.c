@@ -1,0 +1,2 @@
+/* placeholder: being written */
+typedef int spw__placeholder_;
