@@ -1,2 +1,303 @@
-/* placeholder: being written */
-typedef int spw__placeholder_;
+/*
+ * The context: one device, one backend, one budget, two arenas (small and large requests), the
+ * pointer map, and the public allocator entry points. One mutex guards all of it; the cached
+ * allocate/free path holds it briefly and makes no backend call.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+#include "internal.h"
+
+struct spw_live {
+    void *ptr;
+    spw_block *block;
+    spw_arena *arena;
+    size_t requested;
+    UT_hash_handle hh;
+};
+
+/* Map entries are recycled through a free list so the hot path does not call malloc. */
+static spw_live *live_new(spw_ctx *ctx) {
+    spw_live *e = ctx->live_spare;
+    if (e) {
+        ctx->live_spare = (spw_live *)e->ptr;
+        return e;
+    }
+    return malloc(sizeof *e);
+}
+
+static void live_put(spw_ctx *ctx, spw_live *e) {
+    e->ptr = ctx->live_spare;
+    ctx->live_spare = e;
+}
+
+void spw__stat_add(spw_counter *c, int64_t delta) {
+    c->current += delta;
+    if (c->current > c->peak) c->peak = c->current;
+    if (delta > 0) c->total += delta;
+}
+
+void spw__stat_event(spw_counter *c) {
+    c->current++;
+    c->total++;
+    c->peak = c->current;
+}
+
+bool spw__ctx_can_hold(const spw_ctx *ctx, size_t more) {
+    return (uint64_t)ctx->stats.held.current + more <= ctx->budget;
+}
+
+static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
+    spw_backend_params bp = {
+        .device = cfg->device,
+        .emu_capacity = cfg->emu_capacity,
+        .emu_granularity = cfg->vmm_page,
+        .emu_vmm = 1,
+        .emu_managed = 1,
+    };
+    switch (cfg->backend) {
+    case SPW_BACKEND_CUDA:
+        return spw__backend_cuda_create(&bp, out);
+    case SPW_BACKEND_EMU:
+        return spw__backend_emu_create(&bp, out);
+    case SPW_BACKEND_AUTO:
+        if (spw__backend_cuda_available()) return spw__backend_cuda_create(&bp, out);
+        return spw__backend_emu_create(&bp, out);
+    }
+    return spw__error(SPW_ERR_CONFIG, "option 'backend': bad value");
+}
+
+SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
+    if (!out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_ctx_create: out is NULL");
+    spw_config *defaults = NULL;
+    spw_status st;
+    if (!cfg_in) {
+        if ((st = spw_config_create(&defaults))) return st;
+        if ((st = spw_config_from_env(defaults))) {
+            spw_config_destroy(defaults);
+            return st;
+        }
+        cfg_in = defaults;
+    }
+    spw_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) {
+        spw_config_destroy(defaults);
+        return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_ctx_create: out of host memory");
+    }
+    ctx->cfg = *cfg_in;
+    spw_config_destroy(defaults);
+    pthread_mutex_init(&ctx->lock, NULL);
+
+    if ((st = pick_backend(&ctx->cfg, &ctx->backend))) goto fail;
+    if ((st = ctx->backend->ops->device_info(ctx->backend, &ctx->dev))) goto fail;
+    ctx->budget = spw__size_resolve(&ctx->cfg.budget, ctx->dev.total_bytes);
+    if (ctx->budget == 0) {
+        st = spw__error(SPW_ERR_CONFIG, "option 'budget': resolves to 0 bytes on a device of %zu B",
+                        ctx->dev.total_bytes);
+        goto fail;
+    }
+    ctx->stats.budget = ctx->budget;
+
+    bool vmm = ctx->dev.vmm_supported && ctx->backend->ops->map && ctx->cfg.vmm != SPW_TRI_OFF;
+    if (ctx->cfg.vmm == SPW_TRI_ON && !vmm) {
+        st = spw__error(SPW_ERR_UNSUPPORTED, "option 'vmm=on': the %s device does not support virtual "
+                                             "memory management (use vmm=auto or vmm=off)",
+                        ctx->backend->ops->name);
+        goto fail;
+    }
+    size_t page = vmm ? SPW_MAX(ctx->dev.vmm_granularity, (size_t)2 * SPW_MiB) : 2 * SPW_MiB;
+    /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
+    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), page);
+    spw_arena_params ap = {.backend = ctx->backend, .ctx = ctx, .page = page, .vmm = vmm};
+    ap.name = "small";
+    ap.reserve_bytes = SPW_ALIGN_UP(SPW_MIN(ctx->budget, 64 * SPW_GiB) + page, page);
+    ap.min_segment = 2 * SPW_MiB;
+    if ((st = spw__arena_create(&ap, &ctx->small))) goto fail;
+    ap.name = "large";
+    ap.reserve_bytes = reserve;
+    ap.min_segment = 2 * SPW_MiB;
+    if ((st = spw__arena_create(&ap, &ctx->large))) goto fail;
+    *out = ctx;
+    return SPW_OK;
+fail:
+    spw__arena_destroy(ctx->large);
+    spw__arena_destroy(ctx->small);
+    if (ctx->backend) ctx->backend->ops->destroy(ctx->backend);
+    pthread_mutex_destroy(&ctx->lock);
+    free(ctx);
+    return st;
+}
+
+SPW_API spw_status spw_ctx_destroy(spw_ctx *ctx) {
+    if (!ctx) return SPW_OK;
+    spw_live *e, *tmp;
+    HASH_ITER(hh, ctx->live_map, e, tmp) {
+        HASH_DEL(ctx->live_map, e);
+        free(e);
+    }
+    while (ctx->live_spare) {
+        spw_live *n = (spw_live *)ctx->live_spare->ptr;
+        free(ctx->live_spare);
+        ctx->live_spare = n;
+    }
+    /* the backend drains every stream before memory goes away */
+    spw__arena_destroy(ctx->small);
+    spw__arena_destroy(ctx->large);
+    ctx->backend->ops->destroy(ctx->backend);
+    pthread_mutex_destroy(&ctx->lock);
+    free(ctx);
+    return SPW_OK;
+}
+
+SPW_API const char *spw_ctx_backend(const spw_ctx *ctx) { return ctx ? ctx->backend->ops->name : "none"; }
+SPW_API size_t spw_ctx_budget(const spw_ctx *ctx) { return ctx ? ctx->budget : 0; }
+
+spw_status spw__ctx_oom(spw_ctx *ctx, size_t bytes, spw_stream s) {
+    char req[48], bud[48], held[48], live[48], cached[48], largest[48];
+    const spw_stats *st = &ctx->stats;
+    size_t lf = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
+    spw__stat_event(&ctx->stats.ooms);
+    return spw__error(
+        SPW_ERR_OUT_OF_MEMORY,
+        "out of device memory: requested %s on stream %p; budget %s, held %s, live %s, cached %s, "
+        "pinned 0 B, largest free block %s. The budget is a hard limit (option 'budget'); raise it "
+        "if the device has room, or free memory first",
+        spw__fmt_bytes(req, sizeof req, bytes), (void *)s, spw__fmt_bytes(bud, sizeof bud, ctx->budget),
+        spw__fmt_bytes(held, sizeof held, (uint64_t)st->held.current),
+        spw__fmt_bytes(live, sizeof live, (uint64_t)st->live.current),
+        spw__fmt_bytes(cached, sizeof cached, (uint64_t)st->cached.current),
+        spw__fmt_bytes(largest, sizeof largest, lf));
+}
+
+/* Largest request accepted before any arithmetic: beyond this, rounding could overflow. */
+#define SPW_MAX_REQUEST ((size_t)1 << 48)
+
+SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, void **out) {
+    if (SPW_UNLIKELY(!ctx || !out || !bytes || bytes > SPW_MAX_REQUEST)) {
+        if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_malloc: context is NULL");
+        if (!out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_malloc: out is NULL");
+        if (!bytes) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_malloc: size 0");
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_malloc: size %zu B exceeds the largest "
+                          "supported request (%zu B)", bytes, SPW_MAX_REQUEST);
+    }
+    pthread_mutex_lock(&ctx->lock);
+    spw_live *e = live_new(ctx);
+    if (SPW_UNLIKELY(!e)) {
+        pthread_mutex_unlock(&ctx->lock);
+        return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_malloc: out of host memory");
+    }
+    spw_arena *a = bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
+    spw_block *b = NULL;
+    spw_status st = spw__arena_alloc(a, bytes, stream, &b);
+    if (SPW_UNLIKELY(st == SPW_ERR_OUT_OF_MEMORY)) {
+        /* the other arena's cache counts against the same budget */
+        size_t got = 0;
+        spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
+        st = spw__arena_trim(other, SIZE_MAX, &got);
+        if (!st) st = got ? spw__arena_alloc(a, bytes, stream, &b) : SPW_ERR_OUT_OF_MEMORY;
+        if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__ctx_oom(ctx, bytes, stream);
+    }
+    if (SPW_UNLIKELY(st)) {
+        live_put(ctx, e);
+        pthread_mutex_unlock(&ctx->lock);
+        return st;
+    }
+    size_t size = spw__block_size(b);
+    e->ptr = spw__block_ptr(b);
+    e->block = b;
+    e->arena = a;
+    e->requested = bytes;
+    HASH_ADD_PTR(ctx->live_map, ptr, e);
+    spw__stat_add(&ctx->stats.live, (int64_t)size);
+    spw__stat_add(&ctx->stats.cached, -(int64_t)size);
+    spw__stat_add(&ctx->stats.requested, (int64_t)bytes);
+    spw__stat_event(&ctx->stats.allocs);
+    *out = e->ptr;
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_free(spw_ctx *ctx, void *ptr, spw_stream stream) {
+    if (SPW_UNLIKELY(!ctx)) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_free: context is NULL");
+    if (SPW_UNLIKELY(!ptr)) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_free: pointer is NULL");
+    pthread_mutex_lock(&ctx->lock);
+    spw_live *e = NULL;
+    HASH_FIND_PTR(ctx->live_map, &ptr, e);
+    if (SPW_UNLIKELY(!e)) {
+        bool ours = spw__arena_owns(ctx->small, ptr) || spw__arena_owns(ctx->large, ptr);
+        pthread_mutex_unlock(&ctx->lock);
+        if (ours)
+            return spw__error(SPW_ERR_STATE, "spw_free: %p is not a live allocation of this context "
+                              "(double free, or a pointer into the middle of a block)", ptr);
+        return spw__error(SPW_ERR_NOT_FOUND, "spw_free: %p was not allocated by this context", ptr);
+    }
+    HASH_DEL(ctx->live_map, e);
+    size_t size = spw__block_size(e->block);
+    spw__arena_free(e->arena, e->block, stream);
+    spw__stat_add(&ctx->stats.live, -(int64_t)size);
+    spw__stat_add(&ctx->stats.cached, (int64_t)size);
+    spw__stat_add(&ctx->stats.requested, -(int64_t)e->requested);
+    spw__stat_event(&ctx->stats.frees);
+    live_put(ctx, e);
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_empty_cache(spw_ctx *ctx) {
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_empty_cache: context is NULL");
+    pthread_mutex_lock(&ctx->lock);
+    size_t got;
+    spw_status st = spw__arena_trim(ctx->small, SIZE_MAX, &got);
+    if (!st) st = spw__arena_trim(ctx->large, SIZE_MAX, &got);
+    pthread_mutex_unlock(&ctx->lock);
+    return st;
+}
+
+SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
+    if (!ctx || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stats_get: NULL argument");
+    pthread_mutex_lock(&ctx->lock);
+    *out = ctx->stats;
+    out->largest_free_block = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f) {
+    if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary: NULL argument");
+    spw_stats st;
+    spw_stats_get(ctx, &st);
+    spw__stats_print_table(&st, spw_ctx_backend(ctx), f);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f) {
+    if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary_json: NULL argument");
+    spw_stats st;
+    spw_stats_get(ctx, &st);
+    spw__stats_print_json(&st, spw_ctx_backend(ctx), f);
+    return SPW_OK;
+}
+
+/* ---- streams: thin, checked pass-throughs to the backend ---- */
+
+SPW_API spw_status spw_stream_create(spw_ctx *ctx, spw_stream *out) {
+    if (!ctx || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_create: NULL argument");
+    return ctx->backend->ops->stream_create(ctx->backend, out);
+}
+
+SPW_API spw_status spw_stream_destroy(spw_ctx *ctx, spw_stream stream) {
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_destroy: context is NULL");
+    if (!stream) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_destroy: the default stream cannot be destroyed");
+    return ctx->backend->ops->stream_destroy(ctx->backend, stream);
+}
+
+SPW_API spw_status spw_stream_synchronize(spw_ctx *ctx, spw_stream stream) {
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_synchronize: context is NULL");
+    return ctx->backend->ops->stream_sync(ctx->backend, stream);
+}
+
+SPW_API spw_status spw_launch_host(spw_ctx *ctx, spw_stream stream, void (*fn)(void *), void *arg) {
+    if (!ctx || !fn) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_launch_host: NULL argument");
+    return ctx->backend->ops->launch_host(ctx->backend, stream, fn, arg);
+}

@@ -66,7 +66,8 @@ struct spw_config {
     spw_exhaust_mode on_exhaust;
     spw_tristate vmm;
     size_t vmm_page;            /* emu: VMM granularity */
-    double frag_slack;          /* held may exceed live by this fraction before cache is trimmed */
+    double frag_slack;
+    double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
     size_t small_limit;         /* requests at most this go to the small-block arena */
 };
@@ -107,6 +108,10 @@ size_t spw__block_size(const spw_block *b);
 void spw__arena_walk(const spw_arena *a, void (*fn)(void *u, uintptr_t addr, size_t size, int state), void *u);
 /* Check internal invariants; returns SPW_OK or SPW_ERR_STATE with a message. */
 spw_status spw__arena_check(const spw_arena *a);
+/* 1 if ptr lies in memory this arena holds (live or not). */
+bool spw__arena_owns(const spw_arena *a, const void *ptr);
+/* Bytes this arena holds from the backend. */
+size_t spw__arena_held(const spw_arena *a);
 
 /* ---- ctx.c ---- */
 
@@ -121,6 +126,7 @@ struct spw_ctx {
     spw_arena *small;
     spw_arena *large;
     spw_live *live_map;         /* uthash by pointer */
+    spw_live *live_spare;       /* recycled map entries */
     spw_stats stats;            /* guarded by lock */
 };
 

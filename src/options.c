@@ -1,2 +1,311 @@
-/* placeholder: being written */
-typedef int spw__placeholder_;
+/*
+ * The options table: one row per option (name, kind, default, help, field). Values arrive as
+ * text from SPILLWAY_CONF or spw_config_set; every value is validated, and a bad one is an error
+ * naming the key and what it accepts. Nothing is silently ignored.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef enum opt_kind { OPT_SIZE, OPT_SIZE_PCT, OPT_ENUM, OPT_INT, OPT_FRACTION } opt_kind;
+
+typedef struct opt_def {
+    const char *name;
+    opt_kind kind;
+    const char *def;
+    const char *choices; /* OPT_ENUM: "a|b|c", value stored as the index */
+    size_t offset;
+    const char *help;
+} opt_def;
+
+#define OFF(f) offsetof(struct spw_config, f)
+
+static const opt_def options[] = {
+    {"budget", OPT_SIZE_PCT, "90%", NULL, OFF(budget),
+     "device bytes the context may hold: a size (6GiB) or a percentage of the device (80%)"},
+    {"backend", OPT_ENUM, "auto", "auto|cuda|emu", OFF(backend),
+     "auto picks cuda when a device is present, else emu"},
+    {"device", OPT_INT, "0", NULL, OFF(device), "CUDA device index"},
+    {"on_exhaust", OPT_ENUM, "evict", "evict|fail", OFF(on_exhaust),
+     "at the budget: evict movable buffers first, or fail at once (no fallback)"},
+    {"vmm", OPT_ENUM, "auto", "auto|on|off", OFF(vmm),
+     "grow segments in place with virtual memory mapping where the device supports it"},
+    {"vmm_page", OPT_SIZE, "2MiB", NULL, OFF(vmm_page),
+     "emu: mapping granularity (cuda uses the device's)"},
+    {"frag_slack", OPT_FRACTION, "0.02", NULL, OFF(frag_slack),
+     "cached memory allowed above live before the cache is trimmed on growth (fraction)"},
+    {"grow_ahead", OPT_FRACTION, "0.01", NULL, OFF(grow_ahead),
+     "on growth, map this fraction of the held bytes beyond the request (fewer backend calls)"},
+    {"emu_capacity", OPT_SIZE, "80GiB", NULL, OFF(emu_capacity), "emu: device memory size"},
+    {"small_limit", OPT_SIZE, "1MiB", NULL, OFF(small_limit),
+     "requests up to this size come from the small-block arena"},
+};
+#define N_OPTIONS (sizeof options / sizeof options[0])
+
+static const opt_def *find_opt(const char *name, size_t len) {
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (strlen(options[i].name) == len && !strncmp(options[i].name, name, len)) return &options[i];
+    return NULL;
+}
+
+static spw_status unknown_key(const char *key, size_t len) {
+    char names[512] = "";
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        if (i) strncat(names, ", ", sizeof names - strlen(names) - 1);
+        strncat(names, options[i].name, sizeof names - strlen(names) - 1);
+    }
+    return spw__error(SPW_ERR_CONFIG, "unknown option '%.*s' (known: %s)", (int)len, key, names);
+}
+
+SPW_API spw_status spw_parse_size(const char *text, size_t *out) {
+    if (!text || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "size: NULL argument");
+    const char *p = text;
+    while (isspace((unsigned char)*p)) p++;
+    if (!isdigit((unsigned char)*p))
+        return spw__error(SPW_ERR_CONFIG, "bad size '%s': expected a number with an optional unit "
+                                          "(B, KiB, MiB, GiB, TiB, K, M, G, T)", text);
+    errno = 0;
+    char *end;
+    double v = strtod(p, &end);
+    if (errno || end == p || !isfinite(v) || v < 0)
+        return spw__error(SPW_ERR_CONFIG, "bad size '%s': not a number", text);
+    while (isspace((unsigned char)*end)) end++;
+    static const struct { const char *unit; double mult; } units[] = {
+        {"", 1.0},        {"B", 1.0},        {"K", 0x1p10},   {"KB", 0x1p10},   {"KiB", 0x1p10},
+        {"M", 0x1p20},    {"MB", 0x1p20},    {"MiB", 0x1p20}, {"G", 0x1p30},    {"GB", 0x1p30},
+        {"GiB", 0x1p30},  {"T", 0x1p40},     {"TB", 0x1p40},  {"TiB", 0x1p40},
+    };
+    size_t ulen = strlen(end);
+    while (ulen && isspace((unsigned char)end[ulen - 1])) ulen--;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strlen(units[i].unit) == ulen && !strncasecmp(end, units[i].unit, ulen)) {
+            double bytes = v * units[i].mult;
+            if (bytes >= 0x1p63)
+                return spw__error(SPW_ERR_CONFIG, "bad size '%s': too large", text);
+            if (bytes != floor(bytes))
+                return spw__error(SPW_ERR_CONFIG, "bad size '%s': not a whole number of bytes", text);
+            *out = (size_t)bytes;
+            return SPW_OK;
+        }
+    }
+    return spw__error(SPW_ERR_CONFIG, "bad size '%s': unknown unit '%.*s' (use B, KiB, MiB, GiB, TiB)",
+                      text, (int)ulen, end);
+}
+
+spw_status spw__parse_size_opt(const char *text, spw_size_opt *out) {
+    if (!text || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "size: NULL argument");
+    size_t len = strlen(text);
+    while (len && isspace((unsigned char)text[len - 1])) len--;
+    if (len && text[len - 1] == '%') {
+        char *end;
+        errno = 0;
+        double pct = strtod(text, &end);
+        while (end < text + len - 1 && isspace((unsigned char)*end)) end++;
+        if (errno || end != text + len - 1 || !isfinite(pct) || pct <= 0 || pct > 100)
+            return spw__error(SPW_ERR_CONFIG, "bad percentage '%s': expected 0 < N <= 100 followed by %%", text);
+        out->is_percent = true;
+        out->percent = pct;
+        out->bytes = 0;
+        return SPW_OK;
+    }
+    size_t b;
+    spw_status st = spw_parse_size(text, &b);
+    if (st) return st;
+    out->is_percent = false;
+    out->percent = 0;
+    out->bytes = b;
+    return SPW_OK;
+}
+
+size_t spw__size_resolve(const spw_size_opt *o, size_t device_total) {
+    if (!o->is_percent) return o->bytes;
+    return (size_t)((double)device_total * o->percent / 100.0);
+}
+
+/* Parse one value into cfg; on error cfg is unchanged. */
+static spw_status set_one(spw_config *cfg, const opt_def *d, const char *value) {
+    char *field = (char *)cfg + d->offset;
+    spw_status st;
+    switch (d->kind) {
+    case OPT_SIZE: {
+        size_t v;
+        if ((st = spw_parse_size(value, &v))) return spw__error_prefix(st, "option '%s'", d->name);
+        if (v == 0) return spw__error(SPW_ERR_CONFIG, "option '%s': must be greater than 0", d->name);
+        memcpy(field, &v, sizeof v);
+        return SPW_OK;
+    }
+    case OPT_SIZE_PCT: {
+        spw_size_opt v;
+        if ((st = spw__parse_size_opt(value, &v))) return spw__error_prefix(st, "option '%s'", d->name);
+        if (!v.is_percent && v.bytes == 0)
+            return spw__error(SPW_ERR_CONFIG, "option '%s': must be greater than 0", d->name);
+        memcpy(field, &v, sizeof v);
+        return SPW_OK;
+    }
+    case OPT_ENUM: {
+        const char *c = d->choices;
+        for (int idx = 0; *c; idx++) {
+            const char *bar = strchr(c, '|');
+            size_t n = bar ? (size_t)(bar - c) : strlen(c);
+            if (strlen(value) == n && !strncmp(value, c, n)) {
+                memcpy(field, &idx, sizeof idx);
+                return SPW_OK;
+            }
+            c += n + (bar ? 1 : 0);
+        }
+        return spw__error(SPW_ERR_CONFIG, "option '%s': bad value '%s' (accepted: %s)", d->name, value,
+                          d->choices);
+    }
+    case OPT_INT: {
+        char *end;
+        errno = 0;
+        long v = strtol(value, &end, 10);
+        if (errno || end == value || *end || v < 0 || v > 1024)
+            return spw__error(SPW_ERR_CONFIG, "option '%s': bad value '%s' (a whole number 0..1024)",
+                              d->name, value);
+        int iv = (int)v;
+        memcpy(field, &iv, sizeof iv);
+        return SPW_OK;
+    }
+    case OPT_FRACTION: {
+        char *end;
+        errno = 0;
+        double v = strtod(value, &end);
+        if (errno || end == value || *end || !isfinite(v) || v < 0 || v > 10)
+            return spw__error(SPW_ERR_CONFIG, "option '%s': bad value '%s' (a number 0..10)", d->name,
+                              value);
+        memcpy(field, &v, sizeof v);
+        return SPW_OK;
+    }
+    }
+    return spw__error(SPW_ERR_CONFIG, "option '%s': internal kind error", d->name);
+}
+
+SPW_API spw_status spw_config_create(spw_config **out) {
+    if (!out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_config_create: out is NULL");
+    spw_config *cfg = calloc(1, sizeof *cfg);
+    if (!cfg) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_config_create: out of host memory");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        spw_status st = set_one(cfg, &options[i], options[i].def);
+        if (st) {
+            free(cfg);
+            return st;
+        }
+    }
+    *out = cfg;
+    return SPW_OK;
+}
+
+SPW_API void spw_config_destroy(spw_config *cfg) { free(cfg); }
+
+SPW_API spw_status spw_config_set(spw_config *cfg, const char *key, const char *value) {
+    if (!cfg || !key || !value)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_config_set: NULL %s",
+                          !cfg ? "config" : !key ? "key" : "value");
+    const opt_def *d = find_opt(key, strlen(key));
+    if (!d) return unknown_key(key, strlen(key));
+    return set_one(cfg, d, value);
+}
+
+SPW_API spw_status spw_config_parse(spw_config *cfg, const char *list) {
+    if (!cfg || !list) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_config_parse: NULL argument");
+    spw_config tmp = *cfg; /* all or nothing */
+    const char *p = list;
+    while (*p) {
+        while (*p == ',' || isspace((unsigned char)*p)) p++;
+        if (!*p) break;
+        const char *item_end = strchr(p, ',');
+        if (!item_end) item_end = p + strlen(p);
+        const char *eq = memchr(p, '=', (size_t)(item_end - p));
+        if (!eq)
+            return spw__error(SPW_ERR_CONFIG, "option '%.*s': expected key=value", (int)(item_end - p), p);
+        const char *k = p, *ke = eq;
+        while (ke > k && isspace((unsigned char)ke[-1])) ke--;
+        const opt_def *d = find_opt(k, (size_t)(ke - k));
+        if (!d) return unknown_key(k, (size_t)(ke - k));
+        const char *v = eq + 1;
+        while (v < item_end && isspace((unsigned char)*v)) v++;
+        const char *ve = item_end;
+        while (ve > v && isspace((unsigned char)ve[-1])) ve--;
+        char value[256];
+        if ((size_t)(ve - v) >= sizeof value)
+            return spw__error(SPW_ERR_CONFIG, "option '%s': value too long", d->name);
+        memcpy(value, v, (size_t)(ve - v));
+        value[ve - v] = '\0';
+        spw_status st = set_one(&tmp, d, value);
+        if (st) return st;
+        p = item_end;
+    }
+    *cfg = tmp;
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_config_from_env(spw_config *cfg) {
+    if (!cfg) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_config_from_env: config is NULL");
+    const char *env = getenv("SPILLWAY_CONF");
+    if (!env) return SPW_OK;
+    spw_status st = spw_config_parse(cfg, env);
+    if (st) return spw__error_prefix(st, "SPILLWAY_CONF");
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_config_get(const spw_config *cfg, const char *key, char *buf, size_t len) {
+    if (!cfg || !key || !buf || !len) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_config_get: NULL argument");
+    const opt_def *d = find_opt(key, strlen(key));
+    if (!d) return unknown_key(key, strlen(key));
+    const char *field = (const char *)cfg + d->offset;
+    switch (d->kind) {
+    case OPT_SIZE: {
+        size_t v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, len, "%zu", v);
+        break;
+    }
+    case OPT_SIZE_PCT: {
+        spw_size_opt v;
+        memcpy(&v, field, sizeof v);
+        if (v.is_percent) snprintf(buf, len, "%g%%", v.percent);
+        else snprintf(buf, len, "%zu", v.bytes);
+        break;
+    }
+    case OPT_ENUM: {
+        int idx;
+        memcpy(&idx, field, sizeof idx);
+        const char *c = d->choices;
+        for (int i = 0; i < idx && c; i++) {
+            c = strchr(c, '|');
+            if (c) c++;
+        }
+        size_t n = c ? (strchr(c, '|') ? (size_t)(strchr(c, '|') - c) : strlen(c)) : 0;
+        snprintf(buf, len, "%.*s", (int)n, c ? c : "");
+        break;
+    }
+    case OPT_INT: {
+        int v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, len, "%d", v);
+        break;
+    }
+    case OPT_FRACTION: {
+        double v;
+        memcpy(&v, field, sizeof v);
+        snprintf(buf, len, "%g", v);
+        break;
+    }
+    }
+    return SPW_OK;
+}
+
+SPW_API void spw_config_print_help(FILE *f) {
+    if (!f) return;
+    fprintf(f, "Options (SPILLWAY_CONF=key=value,key=value or spw_config_set):\n");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        fprintf(f, "  %-13s default %-7s %s", options[i].name, options[i].def, options[i].help);
+        if (options[i].kind == OPT_ENUM) fprintf(f, " (%s)", options[i].choices);
+        fputc('\n', f);
+    }
+}
