@@ -48,6 +48,7 @@ struct spw_block {
 /* One stream's free blocks, binned by size. */
 struct spool {
     spw_stream stream;
+    bool retired;       /* the stream was destroyed: nothing to synchronize or wait on */
     spw_event ev;       /* for cross-stream reuse; created on first need */
     uint64_t bitmap[NWORDS];
     spw_block *bins[NBINS];
@@ -166,8 +167,12 @@ static spw_block *pool_best_fit(const spool *p, size_t n) {
 
 static spool *pool_get(spw_arena *a, spw_stream s, bool create) {
     if (SPW_LIKELY(a->last_pool && a->last_pool->stream == s)) return a->last_pool;
-    for (size_t i = 0; i < a->npools; i++)
-        if (a->pools[i]->stream == s) return a->last_pool = a->pools[i];
+    for (size_t i = 0; i < a->npools; i++) {
+        if (a->pools[i]->stream == s) {
+            if (create) a->pools[i]->retired = false; /* a new stream got the old handle */
+            return a->last_pool = a->pools[i];
+        }
+    }
     if (!create) return NULL;
     if (a->npools == a->cap_pools) {
         size_t cap = a->cap_pools ? a->cap_pools * 2 : 4;
@@ -339,6 +344,7 @@ void spw__arena_destroy(spw_arena *a) {
 /* Take a FREE block of another stream's pool for stream p: order p's stream after the owner's
  * work by an event, without blocking the host. */
 static spw_status adopt_cross_stream(spw_arena *a, spool *owner, spool *p) {
+    if (owner->retired) return SPW_OK; /* its stream finished everything before it was destroyed */
     if (!owner->ev) {
         spw_status st = a->be->ops->event_create(a->be, &owner->ev);
         if (st) return st;
@@ -376,7 +382,9 @@ static spw_block *take_cached(spw_arena *a, spool *p, size_t n) {
 
 /* ---- trimming: return cached memory ---- */
 
-static spw_status sync_pool(spw_arena *a, spool *p) { return a->be->ops->stream_sync(a->be, p->stream); }
+static spw_status sync_pool(spw_arena *a, spool *p) {
+    return p->retired ? SPW_OK : a->be->ops->stream_sync(a->be, p->stream);
+}
 
 /* VMM: unmap the whole pages inside FREE block b that no other block touches. The block
  * structs needed are taken before the unmap so that nothing can fail after it. */
@@ -436,24 +444,46 @@ static int cand_cmp(const void *x, const void *y) {
     return a->gain < b->gain ? 1 : a->gain > b->gain ? -1 : 0;
 }
 
+/* After every stream is synchronized, no FREE block has pending work: FREE neighbours of
+ * different pools can merge (into the left one's pool), so the pages they share can go too. */
+static void merge_idle_pools(spw_arena *a) {
+    for (seg *s = a->segs; s; s = s->next) {
+        for (spw_block *b = s->first; b; b = b->next) {
+            while (b->state == B_FREE && b->next && b->next->state == B_FREE) {
+                bin_remove(b->pool, b);
+                bin_remove(b->next->pool, b->next);
+                absorb_next(a, b);
+                bin_insert(b->pool, b);
+            }
+        }
+    }
+}
+
+static size_t trim_gain(const spw_arena *a, const seg *s, const spw_block *b) {
+    if (!a->p.vmm) return (b == s->first && !b->next) ? s->size : 0;
+    uintptr_t r0 = page_ceil(a, b->addr), r1 = page_floor(a, b->addr + b->size);
+    return r1 > r0 ? r1 - r0 : 0;
+}
+
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
     size_t got = 0;
     spw_status st = SPW_OK;
     if (released) *released = 0;
+    bool any = false;
+    for (seg *s = a->segs; s && !any; s = s->next)
+        for (spw_block *b = s->first; b && !any; b = b->next) any = b->state == B_FREE;
+    if (!any) return SPW_OK;
+    /* queued work may still touch free blocks: wait for every stream of this arena once */
+    for (size_t k = 0; k < a->npools; k++)
+        if ((st = sync_pool(a, a->pools[k]))) return st;
+    merge_idle_pools(a);
     /* candidates: FREE blocks (VMM) or wholly free segments, largest gain first */
     size_t n = 0, cap = 64;
     trim_cand *c = malloc(cap * sizeof *c);
     if (!c) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena trim: out of host memory");
     for (seg *s = a->segs; s; s = s->next) {
         for (spw_block *b = s->first; b; b = b->next) {
-            if (b->state != B_FREE) continue;
-            size_t gain;
-            if (a->p.vmm) {
-                uintptr_t r0 = page_ceil(a, b->addr), r1 = page_floor(a, b->addr + b->size);
-                gain = r1 > r0 ? r1 - r0 : 0;
-            } else {
-                gain = (b == s->first && !b->next) ? s->size : 0;
-            }
+            size_t gain = b->state == B_FREE ? trim_gain(a, s, b) : 0;
             if (!gain) continue;
             if (n == cap) {
                 trim_cand *nc = realloc(c, 2 * cap * sizeof *c);
@@ -465,20 +495,13 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
         }
     }
     qsort(c, n, sizeof *c, cand_cmp);
-    /* work still queued may touch these blocks: wait for each involved stream once */
-    bool synced_any = false;
     for (size_t i = 0; i < n && got < want; i++) {
         spw_block *b = c[i].b;
-        if (!synced_any) {
-            for (size_t k = 0; k < a->npools; k++)
-                if ((st = sync_pool(a, a->pools[k]))) goto out;
-            synced_any = true;
-        }
         if (a->p.vmm) {
-            if ((st = trim_block_vmm(a, b, &got))) goto out;
+            if ((st = trim_block_vmm(a, b, &got))) break;
         } else {
             seg *s = b->seg;
-            if ((st = a->be->ops->dev_free(a->be, (void *)s->base))) goto out;
+            if ((st = a->be->ops->dev_free(a->be, (void *)s->base))) break;
             bin_remove(b->pool, b);
             if (s->prev) s->prev->next = s->next;
             else a->segs = s->next;
@@ -490,7 +513,6 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
             free(s);
         }
     }
-out:
     free(c);
     if (released) *released = got;
     return st;
@@ -664,6 +686,28 @@ void spw__arena_free(spw_arena *a, spw_block *b, spw_stream s) {
         if (q) p = q; /* else keep it in the allocating stream's pool: still ordered there */
     }
     free_coalesce(a, b, p);
+}
+
+spw_status spw__arena_retire_stream(spw_arena *a, spw_stream s) {
+    spool *p = pool_get(a, s, false);
+    if (!p || !s) return SPW_OK;
+    spool *dflt = pool_get(a, NULL, true);
+    if (!dflt) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
+    /* The caller synchronized s: its free blocks are idle and may serve any stream. */
+    for (int i = 0; i < NBINS; i++) {
+        while (p->bins[i]) {
+            spw_block *b = p->bins[i];
+            bin_remove(p, b);
+            free_coalesce(a, b, dflt);
+        }
+    }
+    if (p->ev) {
+        a->be->ops->event_destroy(a->be, p->ev);
+        p->ev = NULL;
+    }
+    p->retired = true;
+    if (a->last_pool == p) a->last_pool = NULL;
+    return SPW_OK;
 }
 
 /* ---- inspection ---- */

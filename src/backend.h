@@ -94,7 +94,8 @@ typedef struct spw_backend_ops {
 
     /* Virtual memory: reserve address space, then map physical memory into it in multiples of
      * vmm_granularity. map creates the physical memory, maps it at va and grants the device
-     * read/write access; unmap undoes exactly one earlier map (same va and bytes). NULL when
+     * read/write access; unmap releases any granule-aligned subrange of mapped memory (parts of one
+     * map or several). Callers finish all device work on a range before unmapping it. NULL when
      * unsupported (device_info.vmm_supported == 0). */
     spw_status (*va_reserve)(spw_backend *b, size_t bytes, void **va);
     spw_status (*va_release)(spw_backend *b, void *va, size_t bytes);

@@ -289,6 +289,13 @@ SPW_API spw_status spw_stream_create(spw_ctx *ctx, spw_stream *out) {
 SPW_API spw_status spw_stream_destroy(spw_ctx *ctx, spw_stream stream) {
     if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_destroy: context is NULL");
     if (!stream) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stream_destroy: the default stream cannot be destroyed");
+    spw_status st = ctx->backend->ops->stream_sync(ctx->backend, stream);
+    if (st) return st;
+    pthread_mutex_lock(&ctx->lock);
+    st = spw__arena_retire_stream(ctx->small, stream);
+    if (!st) st = spw__arena_retire_stream(ctx->large, stream);
+    pthread_mutex_unlock(&ctx->lock);
+    if (st) return st;
     return ctx->backend->ops->stream_destroy(ctx->backend, stream);
 }
 

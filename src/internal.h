@@ -102,6 +102,9 @@ void spw__arena_free(spw_arena *a, spw_block *b, spw_stream s);
  * (want == SIZE_MAX: everything). Synchronizes the streams of released blocks. */
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
 size_t spw__arena_largest_free(const spw_arena *a);
+/* Stream s (already synchronized) is about to be destroyed: its free blocks move to the default
+ * stream's pool and nothing will wait on or synchronize it again. */
+spw_status spw__arena_retire_stream(spw_arena *a, spw_stream s);
 void *spw__block_ptr(const spw_block *b);
 size_t spw__block_size(const spw_block *b);
 /* Walk every block (tests, invariants): fn(addr, size, state) where state 0 hole, 1 free, 2 live. */
@@ -158,6 +161,71 @@ typedef struct spw_trace {
 /* Load a whole trace; SPW_ERR_PARSE names the line on malformed input. */
 spw_status spw__trace_load(const char *path, spw_trace *out);
 void spw__trace_free(spw_trace *t);
+
+/* ---- access.c: access traces for offload policies (shared/traces/README.md) ---- */
+
+typedef struct spw_access_bufdef {
+    uint64_t id;          /* the trace's id (reused ids give distinct buffers) */
+    uint64_t bytes;       /* > 0 */
+    bool read_only;       /* 'ro': no access writes it */
+    size_t line;          /* line of its 'b' */
+} spw_access_bufdef;
+
+typedef struct spw_access_item {
+    uint32_t buf;         /* index into bufs */
+    spw_access mode;      /* SPW_ACCESS_READ (r), _WRITE (w), _READ_WRITE (rw) */
+} spw_access_item;
+
+typedef struct spw_access_op {
+    char kind;            /* 'b' create, 's' step, 'a' access, 'f' destroy */
+    uint32_t buf;         /* 'b', 'f': index into bufs */
+    size_t first, count;  /* 'a': items[first .. first+count) (count >= 1, distinct buffers) */
+    size_t step;          /* step this op belongs to (0-based; 's' carries the step it begins) */
+    size_t line;          /* source line, for messages */
+} spw_access_op;
+
+typedef struct spw_access_trace {
+    spw_access_bufdef *bufs;
+    size_t nbufs;
+    spw_access_op *ops;
+    size_t nops;
+    spw_access_item *items;
+    size_t nitems;
+    size_t nsteps;            /* 's' lines, plus one if accesses come before the first 's' */
+    bool implicit_first_step; /* accesses before the first 's' form step 0 */
+    uint64_t total_bytes;     /* sum of the bytes of every 'b' */
+    uint64_t peak_live_bytes; /* peak of the bytes of buffers created and not destroyed */
+} spw_access_trace;
+
+/* Load a whole access trace; all or nothing. SPW_ERR_IO when it cannot be read, SPW_ERR_PARSE
+ * naming file, line and problem for malformed input. The result is fully validated. */
+spw_status spw__access_load(const char *path, spw_access_trace *out);
+void spw__access_free(spw_access_trace *t);
+/* Divide every buffer size by `divisor` (rounded up, so never 0) and recompute the totals. */
+void spw__access_scale(spw_access_trace *t, uint64_t divisor);
+
+/* ---- oracle.c: offline models of the bytes a policy moves (yardsticks for the engine) ---- */
+
+typedef enum spw_model_kind {
+    SPW_MODEL_ORACLE, /* Belady: evict the farthest next use; write back only if next use reads */
+    SPW_MODEL_LRU,    /* evict the least recently used; write back every dirty buffer */
+} spw_model_kind;
+
+typedef struct spw_model_result {
+    size_t nsteps;
+    uint64_t *h2d, *d2h;         /* per step, nsteps entries each */
+    uint64_t bytes_h2d, bytes_d2h;
+    uint64_t evictions_clean;    /* evictions that copied nothing back */
+    uint64_t evictions_dirty;    /* evictions that wrote the buffer back to the host */
+} spw_model_result;
+
+/* Run the trace through the model with `budget` device bytes. Buffers start in host memory.
+ * SPW_ERR_OUT_OF_MEMORY (naming the line) when one operation's buffers exceed the budget. */
+spw_status spw__model_run(const spw_access_trace *t, uint64_t budget, spw_model_kind kind,
+                          spw_model_result *out);
+void spw__model_free(spw_model_result *r);
+/* Sum of h2d + d2h over steps [from, nsteps). */
+uint64_t spw__model_moved_from(const spw_model_result *r, size_t from);
 
 /* ---- clock ---- */
 static inline uint64_t spw__now_ns(void);
