@@ -167,6 +167,56 @@ SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f);
 /* The same as one JSON object (no trailing newline). */
 SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f);
 
+/* ---------------------------------------------------------------------------------------------
+ * Movable buffers (offload engine). A buffer has a host copy (pinned, from the context's host
+ * pool, or the caller's memory via spw_buf_register_host) and, while resident, a device copy
+ * taken from the same budget as spw_malloc. Under budget pressure unpinned buffers are evicted
+ * by the policy (option policy=lru|plan); clean and dead data are dropped, never written back.
+ * Options: residency=explicit|managed, policy=lru|plan, host_budget=SIZE, trace=FILE.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct spw_buf spw_buf;
+
+enum {
+    SPW_BUF_READ_ONLY = 1u << 0,  /* never written on the device: eviction never copies back */
+    SPW_BUF_MANAGED = 1u << 1,    /* this buffer uses managed residency whatever the context's */
+    SPW_BUF_EXPLICIT = 1u << 2,   /* this buffer uses explicit residency whatever the context's */
+};
+
+typedef enum spw_access {
+    SPW_ACCESS_READ = 1,       /* contents are read; uploaded if not resident */
+    SPW_ACCESS_WRITE = 2,      /* contents will be overwritten entirely: no upload */
+    SPW_ACCESS_READ_WRITE = 3, /* read and modified */
+} spw_access;
+
+/* Create a buffer of `bytes` whose contents start as zeros in host memory. */
+SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, spw_buf **out);
+/* Create a buffer whose host copy is the caller's memory [host, host+bytes) (weights already
+ * loaded or memory-mapped): no copy is made; it is registered as pinned where possible. The
+ * memory must outlive the buffer. */
+SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes, unsigned flags,
+                                         spw_buf **out);
+/* Destroy; waits for pending work on the buffer. Acquired buffers cannot be destroyed. */
+SPW_API spw_status spw_buf_destroy(spw_buf *buf);
+/* Copy host data in or out at an offset. Blocking: returns when the data has arrived. */
+SPW_API spw_status spw_buf_write(spw_buf *buf, size_t offset, const void *src, size_t bytes);
+SPW_API spw_status spw_buf_read(spw_buf *buf, size_t offset, void *dst, size_t bytes);
+SPW_API size_t spw_buf_size(const spw_buf *buf);
+
+/* Make buf resident for work on `stream` and pin it there until spw_release. *devptr is valid
+ * for work enqueued on stream after this call. Does not block the host on the transfer. */
+SPW_API spw_status spw_acquire(spw_buf *buf, spw_stream stream, spw_access mode, void **devptr);
+/* End the use begun by spw_acquire: records the last use on stream, without blocking. */
+SPW_API spw_status spw_release(spw_buf *buf, spw_stream stream);
+/* Hints: start moving buf to the device (ordered before later work on stream) / off it. */
+SPW_API spw_status spw_prefetch(spw_buf *buf, spw_stream stream);
+SPW_API spw_status spw_evict(spw_buf *buf);
+/* The contents are dead: no copy of them needs to survive (next acquire should be WRITE). */
+SPW_API spw_status spw_discard(spw_buf *buf);
+/* Mark a repeating step (the plan policy learns one step and predicts the next). */
+SPW_API spw_status spw_step_begin(spw_ctx *ctx);
+SPW_API spw_status spw_step_end(spw_ctx *ctx);
+
 #ifdef __cplusplus
 }
 #endif
