@@ -45,14 +45,19 @@ spw_status spw__error(spw_status status, const char *fmt, ...) {
 }
 
 spw_status spw__error_prefix(spw_status status, const char *fmt, ...) {
-    char prev[sizeof tls_msg];
-    memcpy(prev, tls_msg, sizeof prev);
+    char prefix[256];
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
-    if (n >= 0 && (size_t)n < sizeof tls_msg)
-        snprintf(tls_msg + n, sizeof tls_msg - (size_t)n, ": %s", prev);
+    size_t plen = strlen(prefix), mlen = strlen(tls_msg);
+    if (plen + 2 >= sizeof tls_msg) plen = sizeof tls_msg - 3;
+    if (plen + 2 + mlen >= sizeof tls_msg) mlen = sizeof tls_msg - 3 - plen;
+    memmove(tls_msg + plen + 2, tls_msg, mlen);
+    memcpy(tls_msg, prefix, plen);
+    tls_msg[plen] = ':';
+    tls_msg[plen + 1] = ' ';
+    tls_msg[plen + 2 + mlen] = '\0';
     return status;
 }
 
