@@ -8,19 +8,23 @@ TRACES ?= ../shared/traces
 
 all: build
 
-# Debian packages the build needs; installed only when missing. Where apt cannot reach a
-# registry (the GPU machine), .debs/ may hold the packages, unpacked in place.
+# Debian packages the build needs; installed only when missing. A machine that cannot reach a
+# package registry (the GPU machine) may carry the .deb files in .debs/: those whose headers are
+# missing are unpacked in place instead.
 DEB_PKGS := cmake pkg-config zlib1g-dev libcmocka-dev uthash-dev
 deps:
-	@missing=""; \
-	for h in /usr/include/zlib.h /usr/include/cmocka.h /usr/include/uthash.h; do \
-	  [ -f $$h ] || missing="yes"; done; \
-	command -v cmake >/dev/null && command -v pkg-config >/dev/null || missing="yes"; \
-	if [ -n "$$missing" ]; then \
-	  if [ -d .debs ] && ls .debs/*.deb >/dev/null 2>&1; then \
-	    for f in .debs/*.deb; do dpkg -x $$f / ; done; ldconfig; \
+	@need=""; \
+	[ -f /usr/include/zlib.h ]   || need="$$need zlib1g-dev"; \
+	[ -f /usr/include/cmocka.h ] || need="$$need libcmocka0 libcmocka-dev"; \
+	[ -f /usr/include/uthash.h ] || need="$$need uthash-dev"; \
+	command -v cmake >/dev/null && command -v pkg-config >/dev/null || need="$$need cmake pkg-config"; \
+	if [ -n "$$need" ]; then \
+	  if ls .debs/*.deb >/dev/null 2>&1; then \
+	    for p in $$need; do for f in .debs/$${p}_*.deb; do [ -f "$$f" ] && dpkg -x "$$f" /; done; done; \
+	    ldconfig 2>/dev/null || true; \
 	  else \
 	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    echo "installing:$$need"; \
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(DEB_PKGS); \
 	  fi; \
 	fi

@@ -312,14 +312,17 @@ void spw__arena_destroy(spw_arena *a) {
     if (!a) return;
     for (seg *s = a->segs, *sn; s; s = sn) {
         sn = s->next;
+        /* unmap each page once: a page shared with the previous mapped block went with it */
+        uintptr_t unmapped_to = s->base;
         for (spw_block *b = s->first, *bn; b; b = bn) {
             bn = b->next;
             if (a->p.vmm && b->state != B_HOLE) {
-                /* unmap the pages this block covers that are not shared with the next block */
-                uintptr_t r0 = page_floor(a, b->addr);
-                if (b->prev && b->prev->state != B_HOLE) r0 = page_ceil(a, b->addr);
+                uintptr_t r0 = SPW_MAX(page_floor(a, b->addr), unmapped_to);
                 uintptr_t r1 = page_ceil(a, b->addr + b->size);
-                if (r1 > r0) a->be->ops->unmap(a->be, (void *)r0, r1 - r0);
+                if (r1 > r0) {
+                    a->be->ops->unmap(a->be, (void *)r0, r1 - r0);
+                    unmapped_to = r1;
+                }
             }
             free(b);
         }

@@ -50,6 +50,8 @@ const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes);
 typedef enum spw_backend_kind { SPW_BACKEND_AUTO, SPW_BACKEND_CUDA, SPW_BACKEND_EMU } spw_backend_kind;
 typedef enum spw_exhaust_mode { SPW_EXHAUST_EVICT, SPW_EXHAUST_FAIL } spw_exhaust_mode;
 typedef enum spw_tristate { SPW_TRI_AUTO, SPW_TRI_ON, SPW_TRI_OFF } spw_tristate;
+typedef enum spw_residency_kind { SPW_RES_EXPLICIT, SPW_RES_MANAGED } spw_residency_kind;
+typedef enum spw_policy_kind { SPW_POLICY_LRU } spw_policy_kind; /* issue 4 adds plan */
 
 /* A size that may be a percentage of the device. */
 typedef struct spw_size_opt {
@@ -70,6 +72,10 @@ struct spw_config {
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
     size_t small_limit;         /* requests at most this go to the small-block arena */
+    spw_residency_kind residency; /* offload engine: default residency of buffers */
+    spw_policy_kind policy;     /* offload engine: eviction/prefetch policy */
+    spw_size_opt host_budget;   /* pinned host pool limit (percent: of physical RAM) */
+    char trace[256];            /* Chrome trace JSON of engine events ("" = off) */
 };
 
 /* Resolve a size option against a device total. */
@@ -131,6 +137,7 @@ struct spw_ctx {
     spw_live *live_map;         /* uthash by pointer */
     spw_live *live_spare;       /* recycled map entries */
     spw_stats stats;            /* guarded by lock */
+    struct spw_engine *engine;  /* offload engine (buffer.c); guarded by lock */
 };
 
 /* Charge/refund held bytes against the budget. charge fails (changing nothing) past the budget. */
@@ -139,6 +146,22 @@ void spw__stat_add(spw_counter *c, int64_t delta);
 void spw__stat_event(spw_counter *c);
 /* Fill the out-of-memory message for a request of `bytes`. */
 spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
+
+/* ---- buffer.c: the offload engine (details in engine.h, policy.h) ---- */
+
+/* Create / destroy the engine of a context. create makes no backend call (copy streams are
+ * created with the first buffer); destroy releases every live buffer (waiting for its work),
+ * then the copy streams, the host pool and the trace. Called without the lock. */
+spw_status spw__engine_create(struct spw_ctx *ctx);
+void spw__engine_destroy(struct spw_ctx *ctx);
+/* spw_malloc at the budget: evict unpinned buffers through the policy and retry the arena
+ * until the request fits. Lock held. Returns SPW_OK, or SPW_ERR_OUT_OF_MEMORY without a
+ * message (the caller writes the OOM report), or another error from an eviction. With
+ * on_exhaust=fail it returns SPW_ERR_OUT_OF_MEMORY at once. */
+spw_status spw__engine_alloc_evicting(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
+                                      spw_block **out);
+/* Fold counters kept outside the lock (stall time) into ctx->stats. Lock held. */
+void spw__engine_stats_sync(struct spw_ctx *ctx);
 
 /* ---- stats.c ---- */
 void spw__stats_print_table(const spw_stats *st, const char *backend, FILE *f);
@@ -149,8 +172,8 @@ void spw__stats_print_json(const spw_stats *st, const char *backend, FILE *f);
 typedef struct spw_trace_op {
     char kind;            /* 'a' or 'f' */
     uint64_t id;
-    uint64_t bytes;       /* 'a' only */
-    uint64_t stream;      /* 'a' only */
+    uint64_t bytes;       /* for 'f': those of its allocation (filled by the loader) */
+    uint64_t stream;      /* likewise */
 } spw_trace_op;
 
 typedef struct spw_trace {
@@ -208,6 +231,8 @@ void spw__access_scale(spw_access_trace *t, uint64_t divisor);
 
 typedef enum spw_model_kind {
     SPW_MODEL_ORACLE, /* Belady: evict the farthest next use; write back only if next use reads */
+    SPW_MODEL_ORACLE_REPEAT, /* the oracle, with the last step assumed to run once more after
+                              * the end (no end-of-trace drops of dirty data): see oracle.c */
     SPW_MODEL_LRU,    /* evict the least recently used; write back every dirty buffer */
 } spw_model_kind;
 

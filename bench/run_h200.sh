@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
+# and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
+#   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim]   (default: all)
+# Logs go to $OUT (or ./h200-out) so they come back from the device machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/h200-out}
+mkdir -p "$OUT"
+TRACES=${TRACES:-../shared/traces}
+[ -d "$TRACES" ] || TRACES=shared/traces
+steps=${*:-build test replay alloc probe stream}
+has() { [[ " $steps " == *" $1 "* ]]; }
+log() { echo "=== $* ($(date +%T))"; }
+rc=0
+
+if has build; then
+  log build
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$OUT/gpu.txt"
+  make deps >/dev/null
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+  cmake --build build -j 16 >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -30; exit 1; }
+fi
+if has test; then
+  log make test-gpu
+  (cd build && SPW_TEST_BACKEND=cuda timeout 420 ctest --output-on-failure -j 1 -E "^shim" ) >"$OUT/test-gpu.log" 2>&1 || rc=1
+  tail -25 "$OUT/test-gpu.log"
+fi
+if has shim; then
+  log shim
+  (cd build && timeout 300 ctest --output-on-failure -R "^shim" ) >"$OUT/shim.log" 2>&1 || rc=1
+  tail -60 "$OUT/shim.log"
+fi
+if has replay; then
+  log replay
+  for t in gpt2_train bert_varlen_train; do
+    for b in cuda emu; do
+      ./build/spillway replay "$TRACES/$t.trace.gz" --backend $b --json >"$OUT/replay-$t-$b.json" || rc=1
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], {k: d[k] for k in ('peak_reserved_bytes','peak_live_bytes','trace_peak_live','reserved_over_live','backend_allocs','backend_frees','ops','ns_per_op')})" "$OUT/replay-$t-$b.json" $t $b
+    done
+  done
+fi
+if has alloc; then
+  log bench alloc
+  ./build/spillway bench alloc --backend cuda | tee "$OUT/bench-alloc.txt" || rc=1
+  ./build/spillway bench alloc --backend cuda --json >"$OUT/bench-alloc.json" || rc=1
+fi
+if has probe; then
+  log probe
+  /usr/bin/time -f "probe wall %e s" ./build/spillway probe 2>&1 | tee "$OUT/probe.txt" || rc=1
+  /usr/bin/time -f "probe --quick wall %e s" ./build/spillway probe --quick --json >"$OUT/probe-quick.json" 2>"$OUT/probe-quick.err" || rc=1
+  cat "$OUT/probe-quick.err"
+fi
+if has stream; then
+  log bench stream
+  for args in "--residency explicit --policy lru" "--residency managed --policy lru" "--policy plan" "--policy plan --batch 4096" "--policy lru --batch 4096"; do
+    echo "--- bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB $args"
+    ./build/spillway bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB $args 2>&1 | tee -a "$OUT/bench-stream.txt" || rc=1
+  done
+fi
+log "done rc=$rc"
+exit $rc
