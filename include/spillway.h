@@ -151,7 +151,23 @@ typedef struct spw_counter {
     X(backend_allocs, 0, "calls that obtained device memory from the backend")               \
     X(backend_frees, 0, "calls that returned device memory to the backend")                  \
     X(cross_stream_waits, 0, "reuses of a block on another stream, ordered by an event")      \
-    X(ooms, 0, "allocations refused for lack of memory")
+    X(ooms, 0, "allocations refused for lack of memory")                                      \
+    X(bytes_h2d, 1, "buffer bytes copied host to device (uploads, managed prefetches)")        \
+    X(bytes_d2h, 1, "buffer bytes copied device to host (write-backs, managed evictions)")     \
+    X(evictions_clean, 0, "evictions that dropped a clean or dead device copy (no copy)")      \
+    X(evictions_dirty, 0, "evictions that wrote a dirty device copy back to the host")         \
+    X(prefetch_hits, 0, "acquires of a buffer made resident by a prefetch")                    \
+    X(stalls, 0, "acquires whose stream had to wait on a transfer not yet complete")           \
+    X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (where measured)")    \
+    X(buffers_resident, 0, "buffers with a device copy")                                       \
+    X(buffers_host, 0, "buffers with only a host copy (or dead)")                              \
+    X(host_held, 1, "pinned host bytes held by the buffer host pool")                          \
+    X(pinned, 1, "device bytes of acquired (pinned) buffers")                                 \
+    X(plan_hits, 0, "policy=plan: acquisitions that matched the learned plan")                \
+    X(plan_divergences, 0, "policy=plan: steps that left the plan (then LRU for the step)")   \
+    X(plan_prefetch_bytes, 1, "policy=plan: bytes prefetched ahead of the caller")            \
+    X(plan_prefetch_used, 1, "policy=plan: prefetched bytes that were then acquired")         \
+    X(plan_prefetch_wasted, 1, "policy=plan: prefetched bytes evicted before any use")
 
 typedef struct spw_stats {
 #define SPW_STAT_FIELD_(name, is_bytes, desc) spw_counter name;
@@ -172,7 +188,15 @@ SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f);
  * pool, or the caller's memory via spw_buf_register_host) and, while resident, a device copy
  * taken from the same budget as spw_malloc. Under budget pressure unpinned buffers are evicted
  * by the policy (option policy=lru|plan); clean and dead data are dropped, never written back.
- * Options: residency=explicit|managed, policy=lru|plan, host_budget=SIZE, trace=FILE.
+ * Options: residency=explicit|managed, policy=lru (issue 4 adds plan), host_budget=SIZE (pinned
+ * host pool; default 50% of RAM), trace=FILE (Chrome trace JSON of copies, evictions, stalls).
+ * Threads: any call from any thread; engine state is guarded by the context lock, which is
+ * never held while waiting for a transfer (spw_buf_read/write/destroy wait without it).
+ * Concurrent calls on ONE buffer are safe, but their order is the caller's: e.g. a host write
+ * racing a device acquire of the same buffer gives either order. A buffer acquired on two
+ * streams at once is allowed; the second release then waits (on its stream) for the first use.
+ * Use of a destroyed buffer is reported (SPW_ERR_STATE) for the last 1024 destroyed buffers of
+ * a context; beyond that, and after the context is destroyed, it is undefined.
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct spw_buf spw_buf;

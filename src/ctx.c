@@ -118,6 +118,7 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     ap.reserve_bytes = reserve;
     ap.min_segment = 2 * SPW_MiB;
     if ((st = spw__arena_create(&ap, &ctx->large))) goto fail;
+    if ((st = spw__engine_create(ctx))) goto fail;
     *out = ctx;
     return SPW_OK;
 fail:
@@ -141,6 +142,7 @@ SPW_API spw_status spw_ctx_destroy(spw_ctx *ctx) {
         free(ctx->live_spare);
         ctx->live_spare = n;
     }
+    spw__engine_destroy(ctx); /* buffers first: their device blocks live in the arenas */
     /* the backend drains every stream before memory goes away */
     spw__arena_destroy(ctx->small);
     spw__arena_destroy(ctx->large);
@@ -154,19 +156,20 @@ SPW_API const char *spw_ctx_backend(const spw_ctx *ctx) { return ctx ? ctx->back
 SPW_API size_t spw_ctx_budget(const spw_ctx *ctx) { return ctx ? ctx->budget : 0; }
 
 spw_status spw__ctx_oom(spw_ctx *ctx, size_t bytes, spw_stream s) {
-    char req[48], bud[48], held[48], live[48], cached[48], largest[48];
+    char req[48], bud[48], held[48], live[48], cached[48], pinned[48], largest[48];
     const spw_stats *st = &ctx->stats;
     size_t lf = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
     spw__stat_event(&ctx->stats.ooms);
     return spw__error(
         SPW_ERR_OUT_OF_MEMORY,
         "out of device memory: requested %s on stream %p; budget %s, held %s, live %s, cached %s, "
-        "pinned 0 B, largest free block %s. The budget is a hard limit (option 'budget'); raise it "
-        "if the device has room, or free memory first",
+        "pinned %s, largest free block %s. The budget is a hard limit (option 'budget'); raise it "
+        "if the device has room, or free memory or release (spw_release) buffers first",
         spw__fmt_bytes(req, sizeof req, bytes), (void *)s, spw__fmt_bytes(bud, sizeof bud, ctx->budget),
         spw__fmt_bytes(held, sizeof held, (uint64_t)st->held.current),
         spw__fmt_bytes(live, sizeof live, (uint64_t)st->live.current),
         spw__fmt_bytes(cached, sizeof cached, (uint64_t)st->cached.current),
+        spw__fmt_bytes(pinned, sizeof pinned, (uint64_t)st->pinned.current),
         spw__fmt_bytes(largest, sizeof largest, lf));
 }
 
@@ -196,6 +199,8 @@ SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, voi
         spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
         st = spw__arena_trim(other, SIZE_MAX, &got);
         if (!st) st = got ? spw__arena_alloc(a, bytes, stream, &b) : SPW_ERR_OUT_OF_MEMORY;
+        /* then evict unpinned buffers (policy order) unless on_exhaust=fail */
+        if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__engine_alloc_evicting(ctx, a, bytes, stream, &b);
         if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__ctx_oom(ctx, bytes, stream);
     }
     if (SPW_UNLIKELY(st)) {
@@ -257,6 +262,7 @@ SPW_API spw_status spw_empty_cache(spw_ctx *ctx) {
 SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
     if (!ctx || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stats_get: NULL argument");
     pthread_mutex_lock(&ctx->lock);
+    spw__engine_stats_sync(ctx);
     *out = ctx->stats;
     out->largest_free_block = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
     pthread_mutex_unlock(&ctx->lock);

@@ -11,7 +11,7 @@
 
 #include "internal.h"
 
-typedef enum opt_kind { OPT_SIZE, OPT_SIZE_PCT, OPT_ENUM, OPT_INT, OPT_FRACTION } opt_kind;
+typedef enum opt_kind { OPT_SIZE, OPT_SIZE_PCT, OPT_ENUM, OPT_INT, OPT_FRACTION, OPT_STRING } opt_kind;
 
 typedef struct opt_def {
     const char *name;
@@ -43,6 +43,14 @@ static const opt_def options[] = {
     {"emu_capacity", OPT_SIZE, "80GiB", NULL, OFF(emu_capacity), "emu: device memory size"},
     {"small_limit", OPT_SIZE, "1MiB", NULL, OFF(small_limit),
      "requests up to this size come from the small-block arena"},
+    {"residency", OPT_ENUM, "explicit", "explicit|managed", OFF(residency),
+     "buffers: pinned host copy + async copies (explicit), or CUDA Unified Memory (managed)"},
+    {"policy", OPT_ENUM, "lru", "lru", OFF(policy),
+     "buffers: eviction policy (least recently used)"},
+    {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
+     "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
+    {"trace", OPT_STRING, "", NULL, OFF(trace),
+     "write a Chrome trace JSON of copies, evictions and stalls to this file (Perfetto)"},
 };
 #define N_OPTIONS (sizeof options / sizeof options[0])
 
@@ -171,6 +179,14 @@ static spw_status set_one(spw_config *cfg, const opt_def *d, const char *value) 
         memcpy(field, &iv, sizeof iv);
         return SPW_OK;
     }
+    case OPT_STRING: {
+        size_t n = strlen(value);
+        if (n >= sizeof ((struct spw_config *)0)->trace)
+            return spw__error(SPW_ERR_CONFIG, "option '%s': value longer than %zu characters", d->name,
+                              sizeof ((struct spw_config *)0)->trace - 1);
+        memcpy(field, value, n + 1);
+        return SPW_OK;
+    }
     case OPT_FRACTION: {
         char *end;
         errno = 0;
@@ -296,6 +312,7 @@ SPW_API spw_status spw_config_get(const spw_config *cfg, const char *key, char *
         snprintf(buf, len, "%g", v);
         break;
     }
+    case OPT_STRING: snprintf(buf, len, "%s", field); break;
     }
     return SPW_OK;
 }

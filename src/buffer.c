@@ -1,0 +1,786 @@
+/*
+ * The offload engine: movable buffers, their state machine, residency and eviction.
+ *
+ * States of a live buffer (fields in engine.h):
+ *   host       !resident, hv              contents only in host memory
+ *   clean      resident, dv, hv           device and host copies equal: eviction drops the block
+ *   dirty      resident, dv, !hv          device copy newer: eviction writes it back first
+ *   dead       dead (resident or not)     nobody needs the contents: never written back
+ *   + in flight (xfer / pending events) and acquired (acq > 0: pinned, never evicted).
+ * Invariants: dead || hv || dv (invariant 2: a failed step leaves the previous copy valid);
+ * resident && !dead => dv; read-only buffers are never dirty; acquired => resident.
+ *
+ * Locking: the context lock guards every field of every buffer and the engine. No call blocks
+ * on a stream or event with it held except inside the arena (trimming, its own contract) and
+ * the rare recovery in copy.c; spw_buf_read/write/destroy drop it to wait. A buffer being
+ * destroyed is marked DYING first, so nothing else touches it while the lock is dropped.
+ *
+ * Use after destroy: destroyed structs keep magic FREED in a quarantine of the last
+ * QUARANTINE buffers (freed with the context), so a stale handle is reported, not followed.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+#define OPS(ctx) ((ctx)->backend->ops)
+#define BE(ctx) ((ctx)->backend)
+#define QUARANTINE 1024
+#define MAX_BUF_BYTES ((size_t)1 << 48)
+
+/* ---- entering a call: validate the handle, take the lock ---- */
+
+static spw_status bad_handle(const spw_buf *b, const char *fn, uint32_t m) {
+    if (m == SPW_BUF_FREED)
+        return spw__error(SPW_ERR_STATE, "%s: buffer %p was destroyed (use after spw_buf_destroy)", fn,
+                          (const void *)b);
+    if (m == SPW_BUF_DYING)
+        return spw__error(SPW_ERR_STATE, "%s: buffer %p is being destroyed by another call", fn,
+                          (const void *)b);
+    return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: %p is not a spillway buffer (bad magic 0x%08x)", fn,
+                      (const void *)b, (unsigned)m);
+}
+
+/* On SPW_OK the context lock is held. */
+static spw_status enter(spw_buf *b, const char *fn) {
+    if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
+    uint32_t m = atomic_load(&b->magic);
+    if (m != SPW_BUF_ALIVE) return bad_handle(b, fn, m);
+    pthread_mutex_lock(&b->ctx->lock);
+    m = atomic_load(&b->magic);
+    if (m != SPW_BUF_ALIVE) {
+        pthread_mutex_unlock(&b->ctx->lock);
+        return bad_handle(b, fn, m);
+    }
+    return SPW_OK;
+}
+
+static void leave(spw_buf *b) { pthread_mutex_unlock(&b->ctx->lock); }
+
+/* ---- policy queries (policy.h) ---- */
+
+spw_policy_node *spw__pol_node(spw_buf *b) { return &b->node; }
+size_t spw__pol_bytes(const spw_buf *b) { return b->bytes; }
+uint64_t spw__pol_id(const spw_buf *b) { return b->id; }
+bool spw__pol_resident(const spw_buf *b) { return b->resident; }
+unsigned spw__pol_acquired(const spw_buf *b) { return b->acq; }
+bool spw__pol_read_only(const spw_buf *b) { return b->flags & SPW_BUF_READ_ONLY; }
+bool spw__pol_dirty(const spw_buf *b) { return b->resident && !b->managed && b->dv && !b->hv && !b->dead; }
+bool spw__pol_evictable(const spw_buf *b) {
+    return atomic_load(&b->magic) == SPW_BUF_ALIVE && b->resident && !b->acq && !b->host_busy;
+}
+size_t spw__pol_device_bytes(const spw_buf *b) {
+    if (!b->resident) return 0;
+    return b->managed ? b->bytes : spw__block_size(b->dblock);
+}
+uint64_t spw__pol_step(const spw_ctx *ctx) { return ctx->engine ? ctx->engine->step : 0; }
+spw_buf *spw__pol_first(spw_ctx *ctx) { return ctx->engine ? ctx->engine->first : NULL; }
+spw_buf *spw__pol_next(spw_buf *b) { return b->next; }
+
+/* ---- residency bookkeeping ---- */
+
+static void set_resident(spw_ctx *ctx, spw_buf *b, bool on) {
+    if (b->resident == on) return;
+    b->resident = on;
+    spw__stat_add(&ctx->stats.buffers_resident, on ? 1 : -1);
+    spw__stat_add(&ctx->stats.buffers_host, on ? -1 : 1);
+    if (on) {
+        if (ctx->engine->pops->on_resident) ctx->engine->pops->on_resident(ctx->engine->pol, b);
+    } else {
+        if (ctx->engine->pops->on_evicted) ctx->engine->pops->on_evicted(ctx->engine->pol, b);
+    }
+}
+
+/* Charge or refund a managed buffer's bytes as held and live device memory. */
+static void managed_charge(spw_ctx *ctx, spw_buf *b, int sign) {
+    spw__stat_add(&ctx->stats.held, sign * (int64_t)b->bytes);
+    spw__stat_add(&ctx->stats.live, sign * (int64_t)b->bytes);
+}
+
+/* Give the device block back, ordered after every touch: freeing on dev_s (engine.h). */
+static void release_block(spw_ctx *ctx, spw_buf *b) {
+    size_t size = spw__block_size(b->dblock);
+    spw__arena_free(b->darena, b->dblock, b->dev_s);
+    spw__stat_add(&ctx->stats.live, -(int64_t)size);
+    spw__stat_add(&ctx->stats.cached, (int64_t)size);
+    spw__stat_add(&ctx->stats.requested, -(int64_t)b->bytes);
+    b->dblock = NULL;
+    b->darena = NULL;
+    b->dev = NULL;
+}
+
+/* Forget the device copy (after a write-back, or when it is clean or dead). Cannot fail. */
+static void drop_device(spw_ctx *ctx, spw_buf *b) {
+    if (b->managed) managed_charge(ctx, b, -1);
+    else release_block(ctx, b);
+    b->dv = false;
+    b->xfer = false;
+    b->prefetched = false;
+    if (!b->managed) {
+        b->dev_rec = false;
+        b->dev_touched = false;
+    }
+    set_resident(ctx, b, false);
+}
+
+/* Evict b. `user`: spw_evict (always write dirty data back) rather than the policy. On
+ * failure b is unchanged and its contents intact. */
+static spw_status evict_buf(spw_ctx *ctx, spw_buf *b, bool user) {
+    struct spw_engine *e = ctx->engine;
+    if (!b->resident) return SPW_OK;
+    if (b->acq)
+        return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is acquired (%u times); release it first",
+                          (unsigned long long)b->id, b->acq);
+    spw_status st;
+    bool wrote = false;
+    if (b->managed) {
+        if ((st = spw__copy_managed_to_host(ctx, b))) return st;
+        wrote = !(b->flags & SPW_BUF_READ_ONLY) && !b->dead;
+    } else if (spw__pol_dirty(b)) {
+        if (!user && e->pops->need_writeback && !e->pops->need_writeback(e->pol, b)) {
+            b->dead = true; /* the policy vouches that nobody reads these contents */
+        } else {
+            if ((st = spw__copy_writeback(ctx, b))) return st;
+            wrote = true;
+        }
+    }
+    spw__stat_event(wrote ? &ctx->stats.evictions_dirty : &ctx->stats.evictions_clean);
+    spw__tsink_instant(e->sink, wrote ? "evict (write-back)" : "evict (drop)", NULL, "engine", b->bytes, b->id);
+    drop_device(ctx, b);
+    return SPW_OK;
+}
+
+/* ---- device memory under pressure ---- */
+
+static size_t obtainable(const spw_ctx *ctx) {
+    int64_t room = (int64_t)ctx->budget - ctx->stats.held.current + ctx->stats.cached.current;
+    return room > 0 ? (size_t)room : 0;
+}
+
+/* One arena attempt; at the budget, the other arena's cache is released first. */
+static spw_status try_arena(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
+    spw_status st = spw__arena_alloc(a, bytes, s, out);
+    if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+    size_t got = 0;
+    spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
+    if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
+    return got ? spw__arena_alloc(a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+}
+
+/* Ask the policy for the next victim and evict it. SPW_ERR_OUT_OF_MEMORY (no message) when
+ * there is none. */
+static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int for_prefetch) {
+    struct spw_engine *e = ctx->engine;
+    spw_buf *v = e->pops->choose_victim(e->pol, need, incoming, for_prefetch);
+    if (!v || v == incoming || !spw__pol_evictable(v)) return SPW_ERR_OUT_OF_MEMORY;
+    return evict_buf(ctx, v, false);
+}
+
+/* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
+ * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
+ * without a message when nothing more can be evicted. */
+static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_buf *incoming,
+                                 int for_prefetch, bool may_evict, bool tried, spw_block **out) {
+    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
+    size_t need = SPW_ALIGN_UP(bytes, 512);
+    for (;;) {
+        if (!tried && (obtainable(ctx) >= need || !may_evict)) {
+            spw_status st = try_arena(ctx, a, bytes, s, out);
+            if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+        }
+        tried = false;
+        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
+        spw_status st = evict_next(ctx, need, incoming, for_prefetch);
+        if (st == SPW_ERR_OUT_OF_MEMORY) {
+            /* nothing left to evict: one last attempt if the budget might fit after all */
+            return obtainable(ctx) >= need ? try_arena(ctx, a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+        }
+        if (st) return st;
+    }
+}
+
+spw_status spw__engine_alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
+    if (!ctx->engine) return SPW_ERR_OUT_OF_MEMORY;
+    return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out);
+}
+
+/* Managed: room in the budget for b's bytes, then charge them. */
+static spw_status managed_room(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {
+    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
+    while (!spw__ctx_can_hold(ctx, b->bytes)) {
+        size_t got = 0, g2 = 0;
+        spw_status st;
+        if (ctx->stats.cached.current > 0) {
+            if ((st = spw__arena_trim(ctx->small, SIZE_MAX, &got))) return st;
+            if ((st = spw__arena_trim(ctx->large, SIZE_MAX, &g2))) return st;
+            if (got + g2) continue;
+        }
+        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
+        if ((st = evict_next(ctx, b->bytes, b, for_prefetch))) return st;
+    }
+    managed_charge(ctx, b, 1);
+    return SPW_OK;
+}
+
+/* Make b resident (not acquired). `upload`: bring the contents (else the device copy starts
+ * undefined). `s`: the stream the block is for when there is no upload. On failure nothing
+ * about b changed (other buffers may have been evicted, their contents intact). */
+static spw_status make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_stream s, int for_prefetch,
+                                bool may_evict) {
+    struct spw_engine *e = ctx->engine;
+    spw_status st;
+    if (b->managed) {
+        if ((st = managed_room(ctx, b, for_prefetch, may_evict))) return st;
+        if ((st = spw__copy_upload(ctx, b))) {
+            managed_charge(ctx, b, -1);
+            return st;
+        }
+        b->dv = true;
+        set_resident(ctx, b, true);
+        return SPW_OK;
+    }
+    spw_stream as = upload ? e->h2d : s;
+    spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
+    spw_block *blk = NULL;
+    if ((st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk))) return st;
+    size_t size = spw__block_size(blk);
+    spw__stat_add(&ctx->stats.live, (int64_t)size);
+    spw__stat_add(&ctx->stats.cached, -(int64_t)size);
+    spw__stat_add(&ctx->stats.requested, (int64_t)b->bytes);
+    b->dblock = blk;
+    b->darena = a;
+    b->dev = spw__block_ptr(blk);
+    b->dev_s = as;
+    b->dev_rec = false;
+    b->dev_touched = true;
+    if (upload && (st = spw__copy_upload(ctx, b))) {
+        release_block(ctx, b); /* on dev_s: after whatever part of the upload was enqueued */
+        b->dev_rec = b->dev_touched = false;
+        return st;
+    }
+    b->dv = upload;
+    set_resident(ctx, b, true);
+    return SPW_OK;
+}
+
+static spw_status oom_for(spw_ctx *ctx, spw_buf *b, spw_stream s, const char *fn) {
+    spw__ctx_oom(ctx, b->bytes, s);
+    return spw__error_prefix(SPW_ERR_OUT_OF_MEMORY, "%s of buffer #%llu (%zu B)%s", fn,
+                             (unsigned long long)b->id, b->bytes,
+                             ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL ? " with on_exhaust=fail (no eviction)"
+                                                                   : ", after evicting every unpinned buffer");
+}
+
+/* ---- engine lifetime ---- */
+
+static size_t physical_ram(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 16 * SPW_GiB;
+}
+
+spw_status spw__engine_create(spw_ctx *ctx) {
+    struct spw_engine *e = calloc(1, sizeof *e);
+    if (!e) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "offload engine: out of host memory");
+    spw_status st;
+    e->pops = spw__policy_find((int)ctx->cfg.policy);
+    if (!e->pops) {
+        free(e);
+        return spw__error(SPW_ERR_CONFIG, "option 'policy': value %d has no implementation", (int)ctx->cfg.policy);
+    }
+    size_t hb = spw__size_resolve(&ctx->cfg.host_budget, physical_ram());
+    if ((st = spw__hostpool_create(ctx, hb, &e->hp))) goto fail;
+    if ((st = spw__tsink_create(ctx->cfg.trace, &e->sink))) goto fail;
+    if ((st = e->pops->create(ctx, &e->pol))) goto fail;
+    ctx->engine = e;
+    return SPW_OK;
+fail:
+    spw__tsink_put(e->sink);
+    spw__hostpool_destroy(e->hp);
+    free(e);
+    return st;
+}
+
+static void quarantine(struct spw_engine *e, spw_buf *b) {
+    b->next = NULL;
+    b->prev = e->q_last;
+    if (e->q_last) e->q_last->next = b;
+    else e->q_first = b;
+    e->q_last = b;
+    if (++e->q_count > QUARANTINE) {
+        spw_buf *old = e->q_first;
+        e->q_first = old->next;
+        e->q_first->prev = NULL;
+        e->q_count--;
+        free(old);
+    }
+}
+
+/* Free everything of b; its transfers are complete (the caller waited). Lock held. */
+static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
+    struct spw_engine *e = ctx->engine;
+    if (b->acq) spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
+    b->acq = 0;
+    if (b->resident) drop_device(ctx, b);
+    if (e->pops->on_destroy) e->pops->on_destroy(e->pol, b);
+    spw__stat_add(&ctx->stats.buffers_host, -1);
+    if (b->prev) b->prev->next = b->next;
+    else e->first = b->next;
+    if (b->next) b->next->prev = b->prev;
+    else e->last = b->prev;
+    if (b->hblock) spw__hostpool_free(e->hp, b->hblock);
+    if (b->registered) OPS(ctx)->host_unregister(BE(ctx), b->host); /* failure: nothing to undo */
+    if (b->managed && b->host) OPS(ctx)->managed_free(BE(ctx), b->host);
+    if (b->ev_dev && !OPS(ctx)->event_destroy(BE(ctx), b->ev_dev)) e->events_live--;
+    if (b->ev_host && !OPS(ctx)->event_destroy(BE(ctx), b->ev_host)) e->events_live--;
+    atomic_store(&b->magic, SPW_BUF_FREED);
+    quarantine(e, b);
+}
+
+void spw__engine_destroy(spw_ctx *ctx) {
+    struct spw_engine *e = ctx->engine;
+    if (!e) return;
+    pthread_mutex_lock(&ctx->lock);
+    /* the context is going away: no other caller may use it, so waiting under the lock is fine */
+    if (e->streams_ok) {
+        OPS(ctx)->stream_sync(BE(ctx), e->h2d);
+        OPS(ctx)->stream_sync(BE(ctx), e->d2h);
+    }
+    while (e->first) {
+        spw_buf *b = e->first;
+        if (b->dev_rec) OPS(ctx)->event_sync(BE(ctx), b->ev_dev);
+        else if (b->managed && b->dev_touched) OPS(ctx)->stream_sync(BE(ctx), b->dev_s);
+        buf_teardown(ctx, b);
+    }
+    spw__copy_streams_destroy(ctx);
+    spw__hostpool_destroy(e->hp);
+    e->pops->destroy(e->pol);
+    while (e->q_first) {
+        spw_buf *n = e->q_first->next;
+        free(e->q_first);
+        e->q_first = n;
+    }
+    spw__tsink_put(e->sink);
+    ctx->engine = NULL;
+    pthread_mutex_unlock(&ctx->lock);
+    free(e);
+}
+
+void spw__engine_stats_sync(spw_ctx *ctx) {
+    if (!ctx->engine) return;
+    int64_t ns = (int64_t)spw__tsink_stall_ns(ctx->engine->sink);
+    ctx->stats.stall_ns.current = ctx->stats.stall_ns.total = ctx->stats.stall_ns.peak = ns;
+}
+
+/* ---- creation ---- */
+
+static spw_status check_flags(const char *fn, unsigned flags) {
+    const unsigned known = SPW_BUF_READ_ONLY | SPW_BUF_MANAGED | SPW_BUF_EXPLICIT;
+    if (flags & ~known)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: unknown flags 0x%x (known: 0x%x)", fn, flags & ~known, known);
+    if ((flags & SPW_BUF_MANAGED) && (flags & SPW_BUF_EXPLICIT))
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: SPW_BUF_MANAGED and SPW_BUF_EXPLICIT are exclusive", fn);
+    return SPW_OK;
+}
+
+static spw_status check_size(const char *fn, size_t bytes) {
+    if (!bytes) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: size 0", fn);
+    if (bytes > MAX_BUF_BYTES)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: size %zu B exceeds the largest buffer (%zu B)", fn, bytes,
+                          MAX_BUF_BYTES);
+    return SPW_OK;
+}
+
+/* A new buffer struct with its events, linked into the engine (state: host). Lock held. */
+static spw_status buf_new(spw_ctx *ctx, size_t bytes, unsigned flags, spw_buf **out) {
+    struct spw_engine *e = ctx->engine;
+    spw_status st = spw__copy_streams(ctx);
+    if (st) return st;
+    spw_buf *b = calloc(1, sizeof *b);
+    if (!b) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_buf_create: out of host memory");
+    if ((st = OPS(ctx)->event_create(BE(ctx), &b->ev_dev))) goto fail;
+    e->events_live++;
+    if ((st = OPS(ctx)->event_create(BE(ctx), &b->ev_host))) goto fail;
+    e->events_live++;
+    atomic_init(&b->magic, SPW_BUF_ALIVE);
+    b->ctx = ctx;
+    b->bytes = bytes;
+    b->flags = flags;
+    b->hv = true;
+    b->node.buf = b;
+    *out = b;
+    return SPW_OK;
+fail:
+    if (b->ev_dev && !OPS(ctx)->event_destroy(BE(ctx), b->ev_dev)) e->events_live--;
+    free(b);
+    return spw__error_prefix(st, "creating a buffer's events");
+}
+
+static void buf_link(spw_ctx *ctx, spw_buf *b) {
+    struct spw_engine *e = ctx->engine;
+    b->id = ++e->next_id;
+    b->prev = e->last;
+    if (e->last) e->last->next = b;
+    else e->first = b;
+    e->last = b;
+    spw__stat_add(&ctx->stats.buffers_host, 1);
+    if (e->pops->on_create) e->pops->on_create(e->pol, b);
+}
+
+/* Undo buf_new for a buffer that was never linked. Lock held. */
+static void buf_unnew(spw_ctx *ctx, spw_buf *b) {
+    struct spw_engine *e = ctx->engine;
+    if (!OPS(ctx)->event_destroy(BE(ctx), b->ev_dev)) e->events_live--;
+    if (!OPS(ctx)->event_destroy(BE(ctx), b->ev_host)) e->events_live--;
+    free(b);
+}
+
+SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, spw_buf **out) {
+    const char *fn = "spw_buf_create";
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: context is NULL", fn);
+    if (!out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+    spw_status st;
+    if ((st = check_size(fn, bytes)) || (st = check_flags(fn, flags))) return st;
+    bool managed = (flags & SPW_BUF_MANAGED) ||
+                   (!(flags & SPW_BUF_EXPLICIT) && ctx->cfg.residency == SPW_RES_MANAGED);
+    if (managed && !ctx->dev.concurrent_managed_access)
+        return spw__error(SPW_ERR_UNSUPPORTED,
+                          "%s: managed residency needs concurrent managed access, which device '%s' lacks "
+                          "(e.g. WSL2 or Windows); use residency=explicit (or SPW_BUF_EXPLICIT)", fn, ctx->dev.name);
+    pthread_mutex_lock(&ctx->lock);
+    spw_buf *b = NULL;
+    if ((st = buf_new(ctx, bytes, flags, &b))) goto out;
+    b->managed = managed;
+    if (managed) {
+        if ((st = OPS(ctx)->managed_alloc(BE(ctx), bytes, &b->host))) {
+            st = spw__error_prefix(st, "%s: managed allocation of %zu B", fn, bytes);
+            buf_unnew(ctx, b);
+            goto out;
+        }
+        /* hints; a device that refuses them still works, only slower */
+        OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, SPW_ADVISE_PREFERRED_DEVICE);
+        if (flags & SPW_BUF_READ_ONLY) OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, SPW_ADVISE_READ_MOSTLY);
+    } else if ((st = spw__hostpool_alloc(ctx->engine->hp, bytes, &b->host, &b->hblock))) {
+        buf_unnew(ctx, b);
+        goto out;
+    }
+    buf_link(ctx, b);
+    b->host_busy = true; /* zeroed below without the lock: not evictable, not uploadable */
+out:
+    pthread_mutex_unlock(&ctx->lock);
+    if (st) return st;
+    memset(b->host, 0, bytes);
+    pthread_mutex_lock(&ctx->lock);
+    b->host_busy = false;
+    pthread_mutex_unlock(&ctx->lock);
+    *out = b;
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes, unsigned flags, spw_buf **out) {
+    const char *fn = "spw_buf_register_host";
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: context is NULL", fn);
+    if (!out || !host) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, !out ? "out" : "host");
+    spw_status st;
+    if ((st = check_size(fn, bytes)) || (st = check_flags(fn, flags))) return st;
+    if ((uintptr_t)host + bytes < (uintptr_t)host)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: range %p + %zu B wraps around", fn, host, bytes);
+    if (flags & SPW_BUF_MANAGED)
+        return spw__error(SPW_ERR_UNSUPPORTED, "%s: caller memory cannot be managed memory; registered buffers "
+                          "use explicit residency (drop SPW_BUF_MANAGED)", fn);
+    pthread_mutex_lock(&ctx->lock);
+    spw_buf *b = NULL;
+    if ((st = buf_new(ctx, bytes, flags, &b))) {
+        pthread_mutex_unlock(&ctx->lock);
+        return st;
+    }
+    b->host = host;
+    b->user_host = true;
+    /* Pinned where possible: memory already pinned, or a backend that refuses, still works
+     * (copies from pageable memory are slower but correct). */
+    b->registered = OPS(ctx)->host_register(BE(ctx), host, bytes) == SPW_OK;
+    buf_link(ctx, b);
+    pthread_mutex_unlock(&ctx->lock);
+    spw__error_clear();
+    *out = b;
+    return SPW_OK;
+}
+
+SPW_API size_t spw_buf_size(const spw_buf *buf) {
+    if (!buf || atomic_load(&((spw_buf *)buf)->magic) != SPW_BUF_ALIVE) return 0;
+    return buf->bytes;
+}
+
+SPW_API spw_status spw_buf_destroy(spw_buf *b) {
+    spw_status st = enter(b, "spw_buf_destroy");
+    if (st) return st;
+    spw_ctx *ctx = b->ctx;
+    if (b->acq) {
+        leave(b);
+        return spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is acquired (%u times); release it first",
+                          (unsigned long long)b->id, b->acq);
+    }
+    atomic_store(&b->magic, SPW_BUF_DYING); /* from here nothing else touches b */
+    spw_host_wait w;
+    spw__copy_host_wait_collect(ctx, b, true, &w);
+    pthread_mutex_unlock(&ctx->lock);
+    st = spw__copy_host_wait(ctx, &w);
+    pthread_mutex_lock(&ctx->lock);
+    if (st) {
+        atomic_store(&b->magic, SPW_BUF_ALIVE);
+        pthread_mutex_unlock(&ctx->lock);
+        return spw__error_prefix(st, "spw_buf_destroy: waiting for the transfers of buffer #%llu (nothing freed)",
+                                 (unsigned long long)b->id);
+    }
+    buf_teardown(ctx, b);
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
+/* ---- residency API ---- */
+
+static spw_status check_mode(const char *fn, spw_access mode) {
+    if (mode != SPW_ACCESS_READ && mode != SPW_ACCESS_WRITE && mode != SPW_ACCESS_READ_WRITE)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: bad access mode %d (READ=1, WRITE=2, READ_WRITE=3)", fn,
+                          (int)mode);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void **devptr) {
+    const char *fn = "spw_acquire";
+    spw_status st;
+    if ((st = check_mode(fn, mode))) return st;
+    if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
+    if ((st = enter(b, fn))) return st;
+    spw_ctx *ctx = b->ctx;
+    struct spw_engine *e = ctx->engine;
+    if ((mode & SPW_ACCESS_WRITE) && (b->flags & SPW_BUF_READ_ONLY)) {
+        leave(b);
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer #%llu is read-only (SPW_BUF_READ_ONLY); "
+                          "mode %s would write it", fn, (unsigned long long)b->id,
+                          mode == SPW_ACCESS_WRITE ? "WRITE" : "READ_WRITE");
+    }
+    if (b->host_busy) {
+        leave(b);
+        return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is being written by spw_buf_write", fn,
+                          (unsigned long long)b->id);
+    }
+    bool fresh = false;
+    if (!b->resident) {
+        bool upload = (mode & SPW_ACCESS_READ) && !b->dead;
+        st = make_resident(ctx, b, upload, s, 0, true);
+        if (st == SPW_ERR_OUT_OF_MEMORY) st = oom_for(ctx, b, s, fn);
+        if (st) {
+            leave(b);
+            return st;
+        }
+        fresh = true;
+    } else if (b->prefetched) {
+        spw__stat_event(&ctx->stats.prefetch_hits);
+    }
+    /* Order s after the device copy's last touch. A wait on a transfer still running is a
+     * stall: counted, and timed on s itself (no host blocking). */
+    void *stall = NULL;
+    if (b->xfer && b->dev_touched && b->dev_s != s) {
+        spw_status q = b->dev_rec ? OPS(ctx)->event_query(BE(ctx), b->ev_dev) : SPW_ERR_NOT_READY;
+        if (q == SPW_OK) {
+            b->xfer = false;
+        } else {
+            spw__stat_event(&ctx->stats.stalls);
+            stall = spw__tsink_span_begin(ctx, s, "stall", "stream", b->bytes, b->id, 1);
+        }
+    }
+    st = spw__copy_order_dev(ctx, b, s);
+    spw__tsink_span_end(ctx, s, stall);
+    if (st) {
+        if (fresh) drop_device(ctx, b); /* stream-ordered free on dev_s; contents stay on the host */
+        leave(b);
+        return spw__error_prefix(st, "%s: ordering stream %p after buffer #%llu", fn, (void *)s,
+                                 (unsigned long long)b->id);
+    }
+    if (b->acq++ == 0) spw__stat_add(&ctx->stats.pinned, (int64_t)spw__pol_device_bytes(b));
+    if (mode & SPW_ACCESS_WRITE) {
+        b->acq_writers++;
+        b->dead = false;
+        b->dv = true;
+        if (!b->managed) b->hv = false;
+    }
+    b->prefetched = false;
+    *devptr = b->managed ? b->host : b->dev;
+    if (e->pops->on_acquire) e->pops->on_acquire(e->pol, b, mode, s, b->acq);
+    if (e->pops->prefetch) e->pops->prefetch(e->pol, ctx, b, s);
+    leave(b);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
+    const char *fn = "spw_release";
+    spw_status st;
+    if ((st = enter(b, fn))) return st;
+    spw_ctx *ctx = b->ctx;
+    struct spw_engine *e = ctx->engine;
+    if (!b->acq) {
+        leave(b);
+        return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is not acquired (released twice?)", fn,
+                          (unsigned long long)b->id);
+    }
+    /* the use on s becomes the device copy's last touch, chained after any other stream's */
+    if ((st = spw__copy_order_dev(ctx, b, s)) || (st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, s))) {
+        leave(b);
+        return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
+                                 fn, (unsigned long long)b->id, (void *)s);
+    }
+    b->dev_s = s;
+    b->dev_rec = true;
+    b->dev_touched = true;
+    b->xfer = false;
+    if (--b->acq == 0) {
+        b->acq_writers = 0;
+        spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
+    }
+    if (e->pops->on_release) e->pops->on_release(e->pol, b, s, b->acq);
+    leave(b);
+    return SPW_OK;
+}
+
+static spw_status prefetch_locked(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {
+    if (atomic_load(&b->magic) != SPW_BUF_ALIVE || b->resident || b->acq || b->host_busy) return SPW_OK;
+    spw_status st = make_resident(ctx, b, !b->dead, ctx->engine->h2d, for_prefetch, may_evict);
+    if (st) return st;
+    b->prefetched = true;
+    return SPW_OK;
+}
+
+spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict) {
+    return prefetch_locked(ctx, b, 1, may_evict);
+}
+
+SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
+    spw_status st;
+    if ((st = enter(b, "spw_prefetch"))) return st;
+    /* ordered before later acquires on every stream, s included: they wait on the upload */
+    st = prefetch_locked(b->ctx, b, 0, true);
+    if (st == SPW_ERR_OUT_OF_MEMORY) st = oom_for(b->ctx, b, s, "spw_prefetch");
+    leave(b);
+    return st;
+}
+
+SPW_API spw_status spw_evict(spw_buf *b) {
+    spw_status st;
+    if ((st = enter(b, "spw_evict"))) return st;
+    st = b->host_busy ? spw__error(SPW_ERR_STATE, "spw_evict: buffer is being written by spw_buf_write")
+                      : evict_buf(b->ctx, b, true);
+    leave(b);
+    return st;
+}
+
+SPW_API spw_status spw_discard(spw_buf *b) {
+    spw_status st;
+    if ((st = enter(b, "spw_discard"))) return st;
+    if (b->acq || b->host_busy) {
+        leave(b);
+        return spw__error(SPW_ERR_STATE, "spw_discard: buffer #%llu is %s", (unsigned long long)b->id,
+                          b->acq ? "acquired; release it first" : "being written by spw_buf_write");
+    }
+    /* the device block (if any) stays for a later WRITE acquire; eviction just drops it */
+    b->dead = true;
+    b->hv = false;
+    b->dv = false;
+    leave(b);
+    return SPW_OK;
+}
+
+static spw_status step(spw_ctx *ctx, bool begin) {
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: context is NULL", begin ? "spw_step_begin" : "spw_step_end");
+    pthread_mutex_lock(&ctx->lock);
+    struct spw_engine *e = ctx->engine;
+    if (begin) {
+        e->step++;
+        if (e->pops->step_begin) e->pops->step_begin(e->pol);
+        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, NULL, NULL);
+    } else if (e->pops->step_end) {
+        e->pops->step_end(e->pol);
+    }
+    spw__tsink_instant(e->sink, begin ? "step begin" : "step end", NULL, "engine", 0, e->step);
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_step_begin(spw_ctx *ctx) { return step(ctx, true); }
+SPW_API spw_status spw_step_end(spw_ctx *ctx) { return step(ctx, false); }
+
+/* ---- host I/O (blocking by contract) ---- */
+
+static spw_status check_range(const char *fn, const spw_buf *b, size_t off, const void *p, size_t n) {
+    if (!p) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: host pointer is NULL", fn);
+    if (!n) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: size 0", fn);
+    if (off > b->bytes || n > b->bytes - off)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: range [%zu, %zu + %zu) is outside the buffer of %zu B", fn,
+                          off, off, n, b->bytes);
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t n) {
+    const char *fn = "spw_buf_write";
+    spw_status st;
+    if ((st = enter(b, fn))) return st;
+    spw_ctx *ctx = b->ctx;
+    if ((st = check_range(fn, b, off, src, n))) goto out;
+    if (b->acq || b->host_busy) {
+        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
+                        b->acq ? "acquired; release it first" : "being written by another call");
+        goto out;
+    }
+    /* a partial write into a dirty buffer needs the rest of the contents on the host first */
+    bool whole = off == 0 && n == b->bytes;
+    if (spw__pol_dirty(b) && !whole && (st = spw__copy_writeback(ctx, b))) goto out;
+    spw_host_wait w;
+    spw__copy_host_wait_collect(ctx, b, true, &w);
+    b->host_busy = true; /* no upload reads the host copy while it is being filled */
+    pthread_mutex_unlock(&ctx->lock);
+    st = spw__copy_host_wait(ctx, &w);
+    if (!st) memcpy((char *)b->host + off, src, n);
+    pthread_mutex_lock(&ctx->lock);
+    b->host_busy = false;
+    if (st) goto out;
+    b->hv = true;
+    b->dead = false;
+    if (!b->managed && b->resident) {
+        /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
+        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) drop_device(ctx, b);
+        else b->dv = true;
+    }
+    spw__error_clear();
+out:
+    leave(b);
+    return st;
+}
+
+SPW_API spw_status spw_buf_read(spw_buf *b, size_t off, void *dst, size_t n) {
+    const char *fn = "spw_buf_read";
+    spw_status st;
+    if ((st = enter(b, fn))) return st;
+    spw_ctx *ctx = b->ctx;
+    if ((st = check_range(fn, b, off, dst, n))) goto out;
+    if (b->acq_writers || b->host_busy) {
+        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
+                        b->acq_writers ? "acquired for writing; release it first" : "being written by another call");
+        goto out;
+    }
+    if (b->dead) {
+        st = spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were discarded (spw_discard); write "
+                        "them first", fn, (unsigned long long)b->id);
+        goto out;
+    }
+    /* dirty: copy back (the device copy stays, now clean) */
+    if (spw__pol_dirty(b) && (st = spw__copy_writeback(ctx, b))) goto out;
+    spw_host_wait w;
+    spw__copy_host_wait_collect(ctx, b, true, &w);
+    pthread_mutex_unlock(&ctx->lock);
+    st = spw__copy_host_wait(ctx, &w);
+    if (!st) memcpy(dst, (const char *)b->host + off, n);
+    return st;
+out:
+    leave(b);
+    return st;
+}

@@ -1,0 +1,151 @@
+/*
+ * Private declarations of the offload engine, shared by buffer.c (state machine and API),
+ * copy.c (transfers and their ordering), hostmem.c (pinned host pool) and trace_events.c.
+ * Everything here runs under the context lock unless a comment says otherwise.
+ *
+ * Ordering model (why a buffer needs only two events):
+ * - Device copy: `ev_dev` marks the last touch of the device copy (upload on the H2D stream,
+ *   the last release on a caller's stream, ...), on stream `dev_s`. Every new touch on another
+ *   stream first waits on it, so the touches form one chain and the latest event orders all
+ *   earlier work. When `dev_rec` is false the only touches are plain stream order on `dev_s`
+ *   (the stream the block was allocated on). Freeing the block on `dev_s` is therefore always
+ *   stream-ordered after every use: the arena does the rest (invariant 3).
+ * - Host copy: `ev_host` marks the last transfer that read or wrote it (an upload reads it, a
+ *   write-back writes it), on `host_s`. Transfers on the other copy stream wait on it; host
+ *   code (spw_buf_read/write, destroy) waits for it with the lock dropped. `untracked` flags a
+ *   copy stream that may hold host-copy work whose event could not be recorded (a failed
+ *   event_record after a successful enqueue); host code then synchronizes that stream.
+ * Consequence: two streams using one buffer at once are chained at release (the second
+ * release waits for the first's use). Correct, at the price of a false dependency in that case.
+ */
+#ifndef SPW_ENGINE_H
+#define SPW_ENGINE_H
+
+#include <stdatomic.h>
+
+#include "internal.h"
+#include "policy.h"
+
+#define SPW_BUF_ALIVE 0x53505742u /* "SPWB" */
+#define SPW_BUF_DYING 0x44594e47u /* destroy in progress: every call fails with SPW_ERR_STATE */
+#define SPW_BUF_FREED 0xdeadb0f5u /* destroyed: the struct sits in the quarantine */
+
+#define SPW_UNTRACKED_H2D 1u
+#define SPW_UNTRACKED_D2H 2u
+
+typedef struct spw_hostpool spw_hostpool;
+typedef struct spw_hblock spw_hblock;
+typedef struct spw_tsink spw_tsink;
+
+struct spw_buf {
+    _Atomic uint32_t magic;
+    spw_ctx *ctx;
+    size_t bytes;
+    unsigned flags;
+    uint64_t id;
+    bool managed;    /* managed residency: `host` is the managed allocation */
+    bool user_host;  /* host copy is the caller's memory (spw_buf_register_host) */
+    bool registered; /* ... and host_register succeeded (unregister at destroy) */
+    void *host;
+    spw_hblock *hblock; /* host pool block, NULL for the caller's memory and managed */
+
+    /* device copy: explicit = an arena block; managed = the budget charge + device prefetch */
+    bool resident;
+    spw_block *dblock;
+    spw_arena *darena;
+    void *dev;
+
+    /* contents: hv = host copy valid (once ev_host completes), dv = device copy valid,
+     * dead = nobody needs the contents. Invariant 2: dead || hv || dv. */
+    bool hv, dv, dead;
+    bool prefetched;      /* made resident by a prefetch and not acquired since */
+    bool xfer;            /* dev_s is a copy stream whose transfer may not be complete */
+    unsigned acq;         /* acquire count */
+    unsigned acq_writers; /* of which in WRITE or READ_WRITE mode */
+
+    spw_event ev_dev, ev_host; /* created at buffer creation */
+    spw_stream dev_s, host_s;
+    bool dev_rec, host_rec;
+    bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
+    bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
+    unsigned untracked;
+
+    spw_policy_node node;
+    spw_buf *prev, *next; /* engine list (creation order) or quarantine */
+};
+
+struct spw_engine {
+    bool streams_ok;
+    spw_stream h2d, d2h; /* copy streams, one per direction */
+    spw_hostpool *hp;
+    const spw_policy_ops *pops;
+    spw_policy *pol;
+    spw_buf *first, *last; /* live buffers, creation order */
+    spw_buf *q_first, *q_last; /* destroyed structs kept to detect use after destroy */
+    size_t q_count;
+    uint64_t next_id;
+    uint64_t step;
+    spw_tsink *sink; /* stall timing and the optional trace */
+    int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
+};
+
+/* ---- hostmem.c: pinned host pool (context lock held) ---- */
+spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);
+void spw__hostpool_destroy(spw_hostpool *hp);
+/* `bytes` of pinned host memory from a slab; SPW_ERR_HOST_OUT_OF_MEMORY names the numbers. */
+spw_status spw__hostpool_alloc(spw_hostpool *hp, size_t bytes, void **ptr, spw_hblock **blk);
+void spw__hostpool_free(spw_hostpool *hp, spw_hblock *blk);
+/* Return slabs with nothing allocated in them to the backend. */
+void spw__hostpool_trim(spw_hostpool *hp);
+size_t spw__hostpool_budget(const spw_hostpool *hp);
+
+/* ---- copy.c: copy streams, transfers, ordering (context lock held) ---- */
+spw_status spw__copy_streams(spw_ctx *ctx);       /* create the copy streams once */
+void spw__copy_streams_destroy(spw_ctx *ctx);
+/* Make stream s ordered after every earlier touch of b's device copy. */
+spw_status spw__copy_order_dev(spw_ctx *ctx, spw_buf *b, spw_stream s);
+/* Upload b's host copy into its (already allocated) device copy on the H2D stream, or prefetch
+ * managed memory to the device. On failure b's device copy is as before the call (nothing
+ * about it is recorded) and no host-copy work is left untracked. */
+spw_status spw__copy_upload(spw_ctx *ctx, spw_buf *b);
+/* Explicit only: upload [off, off+n) of the host copy into the resident device copy, after
+ * every touch. On failure the device copy may be partly overwritten: the caller drops it. */
+spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n);
+/* Copy b's device copy into its host copy on the D2H stream, after every use; on success the
+ * host copy is valid (pending ev_host). On failure b is unchanged. */
+spw_status spw__copy_writeback(spw_ctx *ctx, spw_buf *b);
+/* Managed: migrate b to the host on the D2H stream after every use. */
+spw_status spw__copy_managed_to_host(spw_ctx *ctx, spw_buf *b);
+/* Events to wait for (lock dropped) before host code touches b's host copy, plus copy streams
+ * to synchronize. */
+typedef struct spw_host_wait {
+    spw_event ev[2];
+    int nev;
+    spw_stream sync[3];
+    int nsync;
+} spw_host_wait;
+void spw__copy_host_wait_collect(spw_ctx *ctx, spw_buf *b, bool include_dev, spw_host_wait *w);
+/* Called WITHOUT the lock. */
+spw_status spw__copy_host_wait(spw_ctx *ctx, const spw_host_wait *w);
+
+/* ---- trace_events.c: stall timing sink and Chrome trace (thread-safe, refcounted) ---- */
+spw_status spw__tsink_create(const char *path, spw_tsink **out);
+void spw__tsink_put(spw_tsink *t); /* drop one reference; the last closes the file */
+void spw__tsink_get(spw_tsink *t);
+bool spw__tsink_tracing(const spw_tsink *t);
+uint64_t spw__tsink_stall_ns(spw_tsink *t);
+void spw__tsink_add_stall(spw_tsink *t, uint64_t ns);
+/* Trace records; `stream` names the track. Safe from stream callbacks (no spillway calls). */
+void spw__tsink_complete(spw_tsink *t, const char *name, const char *cat, spw_stream stream,
+                         const char *track, uint64_t t0_ns, uint64_t t1_ns, uint64_t bytes, uint64_t buf_id);
+void spw__tsink_instant(spw_tsink *t, const char *name, spw_stream stream, const char *track,
+                        uint64_t bytes, uint64_t buf_id);
+/* Enqueue host callbacks around work on stream s (a transfer, or a caller's wait on one) so
+ * that its duration is measured on the stream: for the trace, and with `stall` for stall_ns.
+ * Best effort: failures only lose the record. NULL when there is nothing to record. Lock held
+ * (for ctx->engine); the callbacks themselves take only the sink's mutex. */
+void *spw__tsink_span_begin(spw_ctx *ctx, spw_stream s, const char *name, const char *track,
+                            uint64_t bytes, uint64_t buf_id, int stall);
+void spw__tsink_span_end(spw_ctx *ctx, spw_stream s, void *token);
+
+#endif /* SPW_ENGINE_H */

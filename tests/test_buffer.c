@@ -1,0 +1,491 @@
+/* The offload engine on emu: every state transition, data integrity through eviction and
+ * prefetch, budget and host-budget limits, managed residency, bad input, stats and the trace. */
+#include "test_util.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+#define MiB SPW_MiB
+
+/* ---- host "kernels" ---- */
+
+typedef struct kfill {
+    uint8_t *p;
+    size_t n;
+    uint8_t v;
+} kfill;
+static void fill_cb(void *a) {
+    kfill *k = a;
+    memset(k->p, k->v, k->n);
+}
+static void add_cb(void *a) { /* read-modify-write: every byte += v */
+    kfill *k = a;
+    for (size_t i = 0; i < k->n; i++) k->p[i] = (uint8_t)(k->p[i] + k->v);
+}
+typedef struct kcopy {
+    const uint8_t *src;
+    uint8_t *dst;
+    size_t n;
+} kcopy;
+static void copy_cb(void *a) {
+    kcopy *k = a;
+    memcpy(k->dst, k->src, k->n);
+}
+
+static void assert_held_ok(spw_ctx *ctx) {
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    if ((uint64_t)st.held.current > st.budget)
+        fail_msg("budget invariant: held %lld > budget %llu", (long long)st.held.current,
+                 (unsigned long long)st.budget);
+}
+
+static void check_contents(spw_buf *b, uint8_t v) {
+    size_t n = spw_buf_size(b);
+    uint8_t *tmp = malloc(n);
+    assert_ok(spw_buf_read(b, 0, tmp, n));
+    for (size_t i = 0; i < n; i++)
+        if (tmp[i] != v) fail_msg("byte %zu is %u, want %u", i, tmp[i], v);
+    free(tmp);
+}
+
+static void fill_buf(spw_buf *b, uint8_t v) {
+    size_t n = spw_buf_size(b);
+    uint8_t *tmp = malloc(n);
+    memset(tmp, v, n);
+    assert_ok(spw_buf_write(b, 0, tmp, n));
+    free(tmp);
+}
+
+/* ---- state transitions ---- */
+
+static void test_states(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=64MiB");
+    spw_buf *b;
+    assert_ok(spw_buf_create(ctx, MiB, 0, &b));
+    /* host (zeros) */
+    assert_false(b->resident);
+    assert_true(b->hv);
+    check_contents(b, 0);
+    fill_buf(b, 7);
+    /* host -> clean (acquire READ uploads) */
+    void *d = NULL;
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    assert_true(b->resident && b->dv && b->hv && b->acq == 1);
+    uint8_t *out = malloc(MiB);
+    kcopy kc = {d, out, MiB};
+    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], 7);
+    /* clean -> dirty (READ_WRITE) */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ_WRITE, &d));
+    assert_false(b->hv);
+    kfill kf = {d, MiB, 1};
+    assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    /* dirty -> host (write-back) */
+    spw_stats s0, s1;
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_ok(spw_evict(b));
+    assert_false(b->resident);
+    assert_true(b->hv);
+    assert_ok(spw_stats_get(ctx, &s1));
+    assert_int_equal(s1.evictions_dirty.total - s0.evictions_dirty.total, 1);
+    assert_int_equal(s1.bytes_d2h.total - s0.bytes_d2h.total, MiB);
+    check_contents(b, 8);
+    /* host -> dirty via WRITE (no upload), then spw_buf_read copies back (stays resident, clean) */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_WRITE, &d));
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_int_equal(s0.bytes_h2d.total, s1.bytes_h2d.total); /* no upload */
+    kf.p = d;
+    kf.v = 9;
+    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    check_contents(b, 9);
+    assert_true(b->resident && b->hv && b->dv);
+    /* clean -> host: eviction drops, no copy */
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_ok(spw_evict(b));
+    assert_ok(spw_stats_get(ctx, &s1));
+    assert_int_equal(s1.evictions_clean.total - s0.evictions_clean.total, 1);
+    assert_int_equal(s1.bytes_d2h.total, s0.bytes_d2h.total);
+    /* prefetch -> clean, then an acquire counts a prefetch hit */
+    assert_ok(spw_prefetch(b, NULL));
+    assert_true(b->resident && b->prefetched);
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_int_equal(s0.prefetch_hits.total - s1.prefetch_hits.total, 1);
+    /* dead: discard a dirty buffer; eviction never writes it back; reading it is refused */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ_WRITE, &d));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_discard(b));
+    assert_status(spw_buf_read(b, 0, out, 1), SPW_ERR_STATE);
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_ok(spw_evict(b));
+    assert_ok(spw_stats_get(ctx, &s1));
+    assert_int_equal(s1.bytes_d2h.total, s0.bytes_d2h.total);
+    assert_int_equal(s1.evictions_clean.total - s0.evictions_clean.total, 1);
+    /* dead -> alive by WRITE acquire: no upload */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_WRITE, &d));
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_int_equal(s0.bytes_h2d.total, s1.bytes_h2d.total);
+    kf.p = d;
+    kf.v = 3;
+    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    check_contents(b, 3);
+    /* partial host write into a dirty resident buffer keeps the rest */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ_WRITE, &d));
+    kf.p = d;
+    kf.v = 1;
+    assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    uint8_t five[16];
+    memset(five, 5, sizeof five);
+    assert_ok(spw_buf_write(b, 100, five, sizeof five));
+    assert_ok(spw_buf_read(b, 0, out, MiB));
+    for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], (i >= 100 && i < 116) ? 5 : 4);
+    /* ... and the device copy saw it too */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    memset(out, 0, MiB);
+    kc.src = d;
+    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], (i >= 100 && i < 116) ? 5 : 4);
+    assert_ok(spw_buf_destroy(b));
+    assert_held_ok(ctx);
+    free(out);
+    spw_ctx_destroy(ctx);
+}
+
+/* Nested acquires and two streams: pinned until the last release, chained last-use events. */
+static void test_nested_and_streams(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=64MiB");
+    spw_stream s1, s2;
+    assert_ok(spw_stream_create(ctx, &s1));
+    assert_ok(spw_stream_create(ctx, &s2));
+    spw_buf *b;
+    assert_ok(spw_buf_create(ctx, MiB, 0, &b));
+    fill_buf(b, 2);
+    void *d1, *d2;
+    assert_ok(spw_acquire(b, s1, SPW_ACCESS_READ, &d1));
+    assert_ok(spw_acquire(b, s2, SPW_ACCESS_READ, &d2));
+    assert_ptr_equal(d1, d2);
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_true(st.pinned.current >= (int64_t)MiB);
+    assert_ok(spw_release(b, s1));
+    assert_status(spw_evict(b), SPW_ERR_STATE); /* still acquired once */
+    assert_status(spw_buf_destroy(b), SPW_ERR_STATE);
+    assert_ok(spw_release(b, s2));
+    assert_status(spw_release(b, s2), SPW_ERR_STATE); /* released twice */
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.pinned.current, 0);
+    assert_ok(spw_evict(b));
+    check_contents(b, 2);
+    assert_ok(spw_buf_destroy(b));
+    assert_ok(spw_stream_destroy(ctx, s1));
+    assert_ok(spw_stream_destroy(ctx, s2));
+    spw_ctx_destroy(ctx);
+}
+
+/* LRU eviction under pressure, the budget after every operation, everything acquired -> OOM
+ * naming the pinned bytes, on_exhaust=fail, spw_malloc evicting buffers. */
+static void test_pressure(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=4MiB,grow_ahead=0");
+    enum { N = 8 };
+    spw_buf *b[N];
+    for (int i = 0; i < N; i++) {
+        assert_ok(spw_buf_create(ctx, MiB, 0, &b[i]));
+        fill_buf(b[i], (uint8_t)(i + 1));
+    }
+    void *d;
+    for (int round = 0; round < 3; round++)
+        for (int i = 0; i < N; i++) {
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
+            kfill kf = {d, MiB, 1};
+            assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
+            assert_ok(spw_release(b[i], NULL));
+            assert_ok(spw_stream_synchronize(ctx, NULL)); /* kf lives on this frame */
+            assert_held_ok(ctx);
+        }
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_true(st.evictions_dirty.total >= N);
+    for (int i = 0; i < N; i++) check_contents(b[i], (uint8_t)(i + 4));
+    /* LRU order: after touching 0..3 in order, acquiring 4 evicts 0 first */
+    for (int i = 0; i < N; i++) assert_ok(spw_evict(b[i]));
+    for (int i = 0; i < 4; i++) {
+        assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+        assert_ok(spw_release(b[i], NULL));
+    }
+    assert_true(b[0]->resident && b[1]->resident && b[2]->resident && b[3]->resident);
+    assert_ok(spw_acquire(b[4], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[4], NULL));
+    assert_false(b[0]->resident); /* the least recently released goes first */
+    assert_true(b[1]->resident && b[2]->resident && b[3]->resident);
+    /* everything acquired: OOM with the pinned bytes in the message, nothing changed */
+    int held = 0;
+    void *dd[N];
+    spw_status s = SPW_OK;
+    for (int i = 0; i < N && !s; i++) {
+        s = spw_acquire(b[i], NULL, SPW_ACCESS_READ, &dd[i]);
+        if (!s) held++;
+    }
+    assert_int_equal(s, SPW_ERR_OUT_OF_MEMORY);
+    assert_non_null(strstr(spw_last_error(), "pinned"));
+    assert_null(strstr(spw_last_error(), "pinned 0 B"));
+    assert_false(b[held]->resident);
+    void *p = NULL;
+    assert_status(spw_malloc(ctx, MiB, NULL, &p), SPW_ERR_OUT_OF_MEMORY);
+    for (int i = 0; i < held; i++) assert_ok(spw_release(b[i], NULL));
+    /* spw_malloc evicts unpinned buffers */
+    assert_ok(spw_malloc(ctx, 3 * MiB, NULL, &p));
+    assert_held_ok(ctx);
+    assert_ok(spw_free(ctx, p, NULL));
+    for (int i = 0; i < N; i++) check_contents(b[i], (uint8_t)(i + 4));
+    for (int i = 0; i < N; i++) assert_ok(spw_buf_destroy(b[i]));
+    spw_ctx_destroy(ctx);
+
+    /* on_exhaust=fail: never evicts */
+    ctx = test_ctx("budget=2MiB,on_exhaust=fail,grow_ahead=0");
+    assert_ok(spw_buf_create(ctx, MiB, 0, &b[0]));
+    assert_ok(spw_buf_create(ctx, 2 * MiB, 0, &b[1]));
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[0], NULL));
+    assert_status(spw_acquire(b[1], NULL, SPW_ACCESS_READ, &d), SPW_ERR_OUT_OF_MEMORY);
+    assert_non_null(strstr(spw_last_error(), "on_exhaust=fail"));
+    assert_true(b[0]->resident);
+    assert_false(b[1]->resident);
+    spw_ctx_destroy(ctx); /* destroys live buffers too */
+}
+
+/* Host pool: slabs, not one host_alloc per buffer; host budget exhaustion names the numbers. */
+static void test_host_pool(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=64MiB,host_budget=80MiB");
+    unsigned long a0 = spw__emu_calls(ctx->backend, SPW_CALL_HOST_ALLOC);
+    spw_buf *b[16];
+    for (int i = 0; i < 16; i++) assert_ok(spw_buf_create(ctx, MiB, 0, &b[i]));
+    assert_int_equal(spw__emu_calls(ctx->backend, SPW_CALL_HOST_ALLOC) - a0, 1);
+    spw_buf *big = NULL;
+    assert_status(spw_buf_create(ctx, 70 * MiB, 0, &big), SPW_ERR_HOST_OUT_OF_MEMORY);
+    assert_non_null(strstr(spw_last_error(), "host budget"));
+    assert_null(big);
+    for (int i = 0; i < 16; i++) assert_ok(spw_buf_destroy(b[i]));
+    assert_ok(spw_buf_create(ctx, 70 * MiB, 0, &big)); /* the empty slab is returned first */
+    check_contents(big, 0);
+    assert_ok(spw_buf_destroy(big));
+    /* registered caller memory: no pool memory, no copy */
+    uint8_t *mine = malloc(MiB);
+    memset(mine, 42, MiB);
+    spw_buf *r;
+    assert_ok(spw_buf_register_host(ctx, mine, MiB, SPW_BUF_READ_ONLY, &r));
+    check_contents(r, 42);
+    void *d;
+    assert_ok(spw_acquire(r, NULL, SPW_ACCESS_READ, &d));
+    assert_true(d != mine);
+    assert_ok(spw_release(r, NULL));
+    assert_ok(spw_buf_destroy(r));
+    free(mine);
+    spw_ctx_destroy(ctx);
+}
+
+/* Managed residency: same API, budget charged while resident; refused without concurrent
+ * managed access with a message naming residency=explicit. */
+static void test_managed(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=4MiB,residency=managed,grow_ahead=0");
+    if (!ctx->dev.concurrent_managed_access) {
+        spw_buf *b = NULL;
+        assert_status(spw_buf_create(ctx, MiB, 0, &b), SPW_ERR_UNSUPPORTED);
+        assert_non_null(strstr(spw_last_error(), "residency=explicit"));
+        spw_ctx_destroy(ctx);
+        return;
+    }
+    enum { N = 6 };
+    spw_buf *b[N];
+    for (int i = 0; i < N; i++) {
+        assert_ok(spw_buf_create(ctx, MiB, i == 0 ? SPW_BUF_READ_ONLY : 0, &b[i]));
+        assert_true(b[i]->managed);
+        fill_buf(b[i], (uint8_t)(10 + i));
+    }
+    void *d;
+    for (int r = 0; r < 2; r++)
+        for (int i = 1; i < N; i++) {
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
+            kfill kf = {d, MiB, 1};
+            assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
+            assert_ok(spw_release(b[i], NULL));
+            assert_ok(spw_stream_synchronize(ctx, NULL));
+            assert_held_ok(ctx);
+        }
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_true(st.evictions_dirty.total + st.evictions_clean.total > 0);
+    for (int i = 1; i < N; i++) check_contents(b[i], (uint8_t)(12 + i));
+    assert_status(spw_acquire(b[0], NULL, SPW_ACCESS_WRITE, &d), SPW_ERR_INVALID_ARGUMENT);
+    for (int i = 0; i < N; i++) assert_ok(spw_buf_destroy(b[i]));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current - st.cached.current, 0); /* charges refunded */
+    spw_ctx_destroy(ctx);
+
+    if (!test_on_emu()) return;
+    ctx = test_ctx("budget=4MiB");
+    ctx->dev.concurrent_managed_access = 0; /* as on WSL2 */
+    spw_buf *m = NULL;
+    assert_status(spw_buf_create(ctx, MiB, SPW_BUF_MANAGED, &m), SPW_ERR_UNSUPPORTED);
+    assert_non_null(strstr(spw_last_error(), "residency=explicit"));
+    assert_ok(spw_buf_create(ctx, MiB, 0, &m)); /* explicit still works */
+    spw_ctx_destroy(ctx);
+}
+
+/* Bad input: clear errors, nothing changes. */
+static void test_bad_input(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=64MiB");
+    spw_buf *b = NULL, *ro = NULL;
+    void *d = NULL;
+    uint8_t x[8] = {0};
+    assert_status(spw_buf_create(NULL, 1, 0, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_create(ctx, 1, 0, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_create(ctx, 0, 0, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "size 0"));
+    assert_status(spw_buf_create(ctx, SIZE_MAX, 0, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_create(ctx, 1, 0x80, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_create(ctx, 1, SPW_BUF_MANAGED | SPW_BUF_EXPLICIT, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_null(b);
+    assert_status(spw_buf_register_host(ctx, NULL, 8, 0, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_register_host(ctx, (void *)(UINTPTR_MAX - 4), 8, 0, &b), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_register_host(ctx, x, 8, SPW_BUF_MANAGED, &b), SPW_ERR_UNSUPPORTED);
+    assert_status(spw_acquire(NULL, NULL, SPW_ACCESS_READ, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_release(NULL, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_destroy(NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_step_begin(NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_int_equal(spw_buf_size(NULL), 0);
+    /* not a buffer */
+    uint64_t junk[32] = {0};
+    assert_status(spw_evict((spw_buf *)junk), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "not a spillway buffer"));
+
+    assert_ok(spw_buf_create(ctx, 4096, SPW_BUF_READ_ONLY, &ro));
+    assert_ok(spw_buf_create(ctx, 4096, 0, &b));
+    /* write to a read-only buffer on the device */
+    assert_status(spw_acquire(ro, NULL, SPW_ACCESS_WRITE, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "read-only"));
+    assert_status(spw_acquire(ro, NULL, SPW_ACCESS_READ_WRITE, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_false(ro->resident);
+    assert_status(spw_acquire(b, NULL, (spw_access)0, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_acquire(b, NULL, (spw_access)7, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_acquire(b, NULL, SPW_ACCESS_READ, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_false(b->resident);
+    /* sizes and offsets */
+    assert_status(spw_buf_write(b, 0, NULL, 8), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_write(b, 0, x, 0), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_write(b, 4090, x, 8), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "outside the buffer"));
+    assert_status(spw_buf_write(b, SIZE_MAX, x, 8), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_read(b, 8, x, SIZE_MAX - 4), SPW_ERR_INVALID_ARGUMENT);
+    check_contents(b, 0);
+    /* release without acquire */
+    assert_status(spw_release(b, NULL), SPW_ERR_STATE);
+    assert_non_null(strstr(spw_last_error(), "released twice"));
+    /* host I/O and discard while acquired */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_WRITE, &d));
+    assert_status(spw_buf_write(b, 0, x, 8), SPW_ERR_STATE);
+    assert_status(spw_buf_read(b, 0, x, 8), SPW_ERR_STATE);
+    assert_status(spw_discard(b), SPW_ERR_STATE);
+    assert_ok(spw_release(b, NULL));
+    /* use after destroy */
+    assert_ok(spw_buf_destroy(b));
+    assert_status(spw_acquire(b, NULL, SPW_ACCESS_READ, &d), SPW_ERR_STATE);
+    assert_non_null(strstr(spw_last_error(), "destroyed"));
+    assert_status(spw_buf_destroy(b), SPW_ERR_STATE);
+    assert_status(spw_buf_read(b, 0, x, 1), SPW_ERR_STATE);
+    assert_int_equal(spw_buf_size(b), 0);
+    assert_int_equal(spw_buf_size(ro), 4096);
+    spw_ctx_destroy(ctx);
+}
+
+/* Options, stats in the summary, the Chrome trace file. */
+static void test_options_stats_trace(void **state) {
+    (void)state;
+    spw_config *cfg;
+    assert_ok(spw_config_create(&cfg));
+    assert_status(spw_config_set(cfg, "residency", "unified"), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "explicit|managed"));
+    assert_status(spw_config_set(cfg, "policy", "fifo"), SPW_ERR_CONFIG);
+    assert_status(spw_config_set(cfg, "host_budget", "0"), SPW_ERR_CONFIG);
+    assert_ok(spw_config_set(cfg, "host_budget", "25%"));
+    char v[64];
+    assert_ok(spw_config_get(cfg, "policy", v, sizeof v));
+    assert_string_equal(v, "lru");
+    spw_config_destroy(cfg);
+
+    char path[] = "/tmp/spw_trace_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    char conf[128];
+    snprintf(conf, sizeof conf, "budget=2MiB,grow_ahead=0,trace=%s", path);
+    spw_ctx *ctx = test_ctx(conf);
+    spw_buf *b[3];
+    void *d;
+    for (int i = 0; i < 3; i++) assert_ok(spw_buf_create(ctx, MiB, 0, &b[i]));
+    assert_ok(spw_step_begin(ctx));
+    for (int i = 0; i < 3; i++) {
+        assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
+        assert_ok(spw_release(b[i], NULL));
+    }
+    assert_ok(spw_step_end(ctx));
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mf = open_memstream(&text, &len);
+    assert_ok(spw_summary_json(ctx, mf));
+    fclose(mf);
+    assert_non_null(strstr(text, "\"bytes_h2d\":{"));
+    assert_non_null(strstr(text, "\"evictions_dirty\":{"));
+    assert_non_null(strstr(text, "\"stall_ns\":{"));
+    free(text);
+    spw_ctx_destroy(ctx);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    char all[65536];
+    size_t n = fread(all, 1, sizeof all - 1, f);
+    all[n] = 0;
+    fclose(f);
+    unlink(path);
+    assert_non_null(strstr(all, "\"traceEvents\":["));
+    assert_non_null(strstr(all, "\"name\":\"upload\""));
+    assert_non_null(strstr(all, "write-back"));
+    assert_non_null(strstr(all, "evict (write-back)"));
+    assert_non_null(strstr(all, "]}"));
+
+    spw_config_create(&cfg);
+    spw_config_set(cfg, "backend", "emu");
+    spw_config_set(cfg, "trace", "/nonexistent-dir/x.json");
+    ctx = NULL;
+    assert_status(spw_ctx_create(cfg, &ctx), SPW_ERR_IO);
+    assert_non_null(strstr(spw_last_error(), "/nonexistent-dir/x.json"));
+    spw_config_destroy(cfg);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
+        cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
+        cmocka_unit_test(test_managed),        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_options_stats_trace),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,185 @@
+/*
+ * `spillway simulate` through the built CLI (SPW_CLI). Usage errors and --model-only need no
+ * engine; the tests marked ENGINE run the trace through the offload engine (src/buffer.c) on emu
+ * and fail until it is built in.
+ */
+#include "test_util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* 3 rw buffers of 4 MiB read and written in a cycle, then read-only ones: small and quick. */
+static const char small_trace[] =
+    "# test trace\n"
+    "b 0 4194304 rw\nb 1 4194304 rw\nb 2 4194304 rw\nb 3 4194304 ro\n"
+    "s\na 0:rw 3:r\na 1:rw 3:r\na 2:w\n"
+    "s\na 0:rw 3:r\na 1:rw 3:r\na 2:r\n"
+    "s\na 0:rw 3:r\na 1:rw 3:r\na 2:rw\n";
+#define SMALL_STEPS 3
+
+static char trace_path[64];
+
+static int setup(void **state) {
+    (void)state;
+    snprintf(trace_path, sizeof trace_path, "/tmp/spw_sim_XXXXXX");
+    int fd = mkstemp(trace_path);
+    if (fd < 0) return -1;
+    FILE *f = fdopen(fd, "w");
+    fputs(small_trace, f);
+    fclose(f);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    unlink(trace_path);
+    return 0;
+}
+
+/* Run the CLI with args; returns its exit status; *out gets stdout (malloc'd, may be NULL). */
+static int run_cli(const char *args, char **out) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", SPW_CLI, args);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    assert_non_null(buf);
+    size_t n;
+    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
+        len += n;
+        if (len + 1 == cap) {
+            buf = realloc(buf, cap *= 2);
+            assert_non_null(buf);
+        }
+    }
+    buf[len] = '\0';
+    int status = pclose(p);
+    if (out) *out = buf;
+    else free(buf);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* Number of elements of the JSON array after "key": (no nesting in these arrays). */
+static int array_len(const char *json, const char *key) {
+    char k[128];
+    snprintf(k, sizeof k, "\"%s\": [", key);
+    const char *p = strstr(json, k);
+    if (!p) return -1;
+    p += strlen(k);
+    if (*p == ']') return 0;
+    int n = 1;
+    for (; *p && *p != ']'; p++) n += *p == ',';
+    return n;
+}
+
+/* The number after "key": in json, or -1 if absent / null. */
+static double number(const char *json, const char *key) {
+    char k[128];
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    const char *p = strstr(json, k);
+    if (!p || !strncmp(p + strlen(k), "null", 4)) return -1;
+    return strtod(p + strlen(k), NULL);
+}
+
+static void test_bad_usage(void **state) {
+    (void)state;
+    char args[512];
+    assert_int_equal(run_cli("simulate", NULL), 2);
+    snprintf(args, sizeof args, "simulate %s", trace_path); /* no --budget */
+    assert_int_equal(run_cli(args, NULL), 2);
+    assert_int_equal(run_cli("simulate --budget 1GiB", NULL), 2); /* no trace */
+    const char *bad[] = {"--budget 12XB", "--budget 0", "--budget -5%", "--budget 1GiB --policy fifo",
+                         "--budget 1GiB --frobnicate", "--budget 1GiB --scale 0",
+                         "--budget 1GiB --scale x", "--budget", "--budget 1GiB extra.access"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(args, sizeof args, "simulate %s %s", trace_path, bad[i]);
+        int rc = run_cli(args, NULL);
+        if (rc != 2) fail_msg("'%s': exit %d, want 2", args, rc);
+    }
+    assert_int_equal(run_cli("simulate --help", NULL), 0);
+}
+
+static void test_bad_trace(void **state) {
+    (void)state;
+    assert_int_equal(run_cli("simulate /nonexistent.access --budget 1GiB", NULL), 1);
+    assert_int_equal(run_cli("simulate /nonexistent.access --budget 1GiB --model-only", NULL), 1);
+}
+
+/* --model-only: the yardsticks without the engine. 8 MiB of budget for 16 MiB of buffers. */
+static void test_model_only_json(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    snprintf(args, sizeof args, "simulate %s --budget 8MiB --model-only --json", trace_path);
+    assert_int_equal(run_cli(args, &out), 0);
+    assert_int_equal(out[0], '{');
+    const char *keys[] = {"oracle_per_step_h2d", "oracle_per_step_d2h", "lru_model_per_step_h2d",
+                          "lru_model_per_step_d2h", "oracle_repeat_per_step_h2d"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        assert_int_equal(array_len(out, keys[i]), SMALL_STEPS);
+    assert_int_equal(number(out, "budget_bytes"), 8 << 20);
+    assert_int_equal(number(out, "steps"), SMALL_STEPS);
+    assert_null(strstr(out, "\"bytes_h2d\"")); /* the engine did not run */
+    free(out);
+    /* A percentage is of the trace's total buffer bytes (16 MiB): 50% is 8 MiB. */
+    snprintf(args, sizeof args, "simulate %s --budget 50%% --model-only --json", trace_path);
+    assert_int_equal(run_cli(args, &out), 0);
+    assert_int_equal(number(out, "budget_bytes"), 8 << 20);
+    free(out);
+    /* An operation larger than the budget is a failure of the run, not of the usage. */
+    snprintf(args, sizeof args, "simulate %s --budget 4MiB --model-only", trace_path);
+    assert_int_equal(run_cli(args, NULL), 1);
+}
+
+/* ENGINE: the JSON shape of a real run, with --compare. */
+static void test_engine_json(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    snprintf(args, sizeof args, "simulate %s --budget 8MiB --policy lru --json --compare",
+             trace_path);
+    int rc = run_cli(args, &out);
+    if (rc != 0) fail_msg("ENGINE: '%s' exited %d (is the offload engine built in?)", args, rc);
+    const char *arrays[] = {"per_step_h2d", "per_step_d2h", "oracle_per_step_h2d",
+                            "oracle_per_step_d2h", "lru_model_per_step_h2d",
+                            "lru_model_per_step_d2h"};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
+        if (array_len(out, arrays[i]) != SMALL_STEPS)
+            fail_msg("key %s: want an array of %d: %s", arrays[i], SMALL_STEPS, out);
+    const char *nums[] = {"bytes_h2d", "bytes_d2h", "evictions", "stalls",
+                          "ratio_to_oracle_after_first", "ratio_to_lru_model_after_first"};
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++)
+        if (number(out, nums[i]) < 0) fail_msg("key %s missing or null: %s", nums[i], out);
+    assert_int_equal(number(out, "data_errors"), 0);
+    assert_true(number(out, "bytes_h2d") > 0);
+    free(out);
+}
+
+/* ENGINE: issue 3's acceptance on cyclic64 (scaled by 16 to stay quick: 4 MiB layers):
+ * policy=lru moves no more than the plain LRU model after the first step, and no data is lost. */
+static void test_engine_cyclic64_lru(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    snprintf(args, sizeof args, "simulate %s/cyclic64.access --budget 2GiB --scale 16 --policy lru "
+             "--json --compare", SPW_TRACES_DIR);
+    int rc = run_cli(args, &out);
+    if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
+    double ratio = number(out, "ratio_to_lru_model_after_first");
+    if (!(ratio > 0 && ratio <= 1.0))
+        fail_msg("engine LRU / LRU model after the first step = %g (want <= 1): %s", ratio, out);
+    assert_int_equal(number(out, "data_errors"), 0);
+    free(out);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bad_usage),
+        cmocka_unit_test(test_bad_trace),
+        cmocka_unit_test(test_model_only_json),
+        cmocka_unit_test(test_engine_json),         /* ENGINE */
+        cmocka_unit_test(test_engine_cyclic64_lru), /* ENGINE */
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
