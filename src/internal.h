@@ -51,7 +51,7 @@ typedef enum spw_backend_kind { SPW_BACKEND_AUTO, SPW_BACKEND_CUDA, SPW_BACKEND_
 typedef enum spw_exhaust_mode { SPW_EXHAUST_EVICT, SPW_EXHAUST_FAIL } spw_exhaust_mode;
 typedef enum spw_tristate { SPW_TRI_AUTO, SPW_TRI_ON, SPW_TRI_OFF } spw_tristate;
 typedef enum spw_residency_kind { SPW_RES_EXPLICIT, SPW_RES_MANAGED } spw_residency_kind;
-typedef enum spw_policy_kind { SPW_POLICY_LRU } spw_policy_kind; /* issue 4 adds plan */
+typedef enum spw_policy_kind { SPW_POLICY_LRU, SPW_POLICY_PLAN } spw_policy_kind;
 
 /* A size that may be a percentage of the device. */
 typedef struct spw_size_opt {
@@ -69,6 +69,7 @@ struct spw_config {
     spw_tristate vmm;
     size_t vmm_page;            /* emu: VMM granularity */
     double frag_slack;
+    spw_tristate prefetch;      /* policy=plan: prefetch ahead (auto = on) */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
     size_t small_limit;         /* requests at most this go to the small-block arena */

@@ -45,8 +45,12 @@ static const opt_def options[] = {
      "requests up to this size come from the small-block arena"},
     {"residency", OPT_ENUM, "explicit", "explicit|managed", OFF(residency),
      "buffers: pinned host copy + async copies (explicit), or CUDA Unified Memory (managed)"},
-    {"policy", OPT_ENUM, "lru", "lru", OFF(policy),
-     "buffers: eviction policy (least recently used)"},
+    {"policy", OPT_ENUM, "lru", "lru|plan", OFF(policy),
+     "buffers: eviction policy: least recently used, or plan (learn a step, evict by next use, "
+     "prefetch ahead)"},
+    {"prefetch", OPT_ENUM, "auto", "auto|on|off", OFF(prefetch),
+     "policy=plan: prefetch the next buffers of the plan so transfers overlap work (costs one "
+     "buffer of device memory for the double buffer); off moves the fewest bytes"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

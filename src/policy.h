@@ -107,6 +107,7 @@ spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict);
 
 /* The policies, by option value. */
 extern const spw_policy_ops spw__policy_lru;
+extern const spw_policy_ops spw__policy_plan;
 const spw_policy_ops *spw__policy_find(int policy_kind);
 
 #endif /* SPW_POLICY_H */

@@ -10,6 +10,9 @@
  *                          host callback via spw_launch_host standing in for the kernel, then
  *                          spw_release each, in the order listed
  *   f <id>                 spw_buf_destroy
+ * After a buffer's last access in the trace its contents are declared dead (spw_discard), as a
+ * program does with a buffer it is done with: nothing reads them again, so no policy should
+ * write them back. The oracle of shared/traces/README.md assumes the same.
  * The callback checks data integrity cheaply: every write stamps the first bytes of the buffer
  * with the operation's number and every read checks the stamp of the last write (0 before any),
  * so a lost write-back or a wrong mapping shows up as a data error (exit status 1). It touches
@@ -208,6 +211,7 @@ struct sim_run {
     uint64_t *expect;     /* per item: the stamp a read must find */
     uint64_t *stamp;      /* per buffer: the stamp of the last write enqueued (0: none) */
     cb_arg *cb;           /* per op: the callback's argument */
+    size_t *last_op;      /* per buffer: the last 'a' op that lists it (SIZE_MAX: none) */
     size_t errors;        /* written by callbacks only (one stream: one thread), read after sync */
     size_t first_error_op;
     uint64_t first_error_got;
@@ -271,10 +275,16 @@ static int run_access(sim_run *r, size_t i) {
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", spw_last_error());
     for (size_t j = 0; j < k; j++) {
-        spw_status rs = spw_release(r->bufs[r->t->items[op->first + j].buf], r->stream);
+        uint32_t b = r->t->items[op->first + j].buf;
+        spw_status rs = spw_release(r->bufs[b], r->stream);
+        if (rs == SPW_OK && fail == SPW_OK && r->last_op[b] == i) {
+            rs = spw_discard(r->bufs[b]);
+            if (rs != SPW_OK) what = "spw_discard";
+        } else if (rs != SPW_OK) {
+            what = "spw_release";
+        }
         if (rs != SPW_OK && fail == SPW_OK) {
             fail = rs;
-            what = "spw_release";
             snprintf(msg, sizeof msg, "%s", spw_last_error());
         }
     }
@@ -347,7 +357,14 @@ static int run_engine(const sim_opts *o, const spw_access_trace *t, uint64_t bud
     r.expect = calloc(t->nitems ? t->nitems : 1, sizeof *r.expect);
     r.stamp = calloc(t->nbufs ? t->nbufs : 1, sizeof *r.stamp);
     r.cb = calloc(t->nops ? t->nops : 1, sizeof *r.cb);
-    if (!r.bufs || !r.ptrs || !r.expect || !r.stamp || !r.cb) {
+    r.last_op = malloc((t->nbufs ? t->nbufs : 1) * sizeof *r.last_op);
+    if (r.last_op) {
+        for (size_t b = 0; b < t->nbufs; b++) r.last_op[b] = SIZE_MAX;
+        for (size_t i = 0; i < t->nops; i++)
+            if (t->ops[i].kind == 'a')
+                for (size_t k = 0; k < t->ops[i].count; k++) r.last_op[t->items[t->ops[i].first + k].buf] = i;
+    }
+    if (!r.bufs || !r.ptrs || !r.expect || !r.stamp || !r.cb || !r.last_op) {
         fprintf(stderr, "spillway simulate: out of host memory for %zu buffers\n", t->nbufs);
         goto out;
     }
@@ -461,6 +478,7 @@ out:
     free(r.expect);
     free(r.stamp);
     free(r.cb);
+    free(r.last_op);
     return rc;
 }
 

@@ -1,0 +1,368 @@
+/*
+ * Plan: learn the access order of one step, then evict by next use and prefetch ahead.
+ *
+ * Inference and training repeat the same sequence of acquisitions every step. During a step
+ * (spw_step_begin .. spw_step_end) the policy records each acquisition as (key, mode, bytes).
+ * From the next step on, that recording is the plan: a cursor follows it, and
+ * - the victim is the evictable buffer whose next use in the plan is farthest away (Belady's
+ *   rule; a buffer the plan never uses goes first);
+ * - a dirty buffer whose next access in a confirmed plan overwrites it (WRITE) is dropped, not
+ *   written back;
+ * - after each acquisition the next buffers of the plan are prefetched, as far as the budget
+ *   allows without evicting anything needed sooner than what comes in.
+ * Every acquisition is checked against the plan. On a mismatch (dynamic control flow, expert
+ * routing) the policy counts a divergence and behaves exactly as LRU for the rest of the step:
+ * no prediction, no prefetch, no dropped write-back; the step's own recording becomes the next
+ * plan. Outside steps, and before a plan exists, it is LRU.
+ *
+ * Keys identify buffers across steps: a buffer created outside a step keeps its creation id;
+ * one created inside a step is identified by its position among the step's creations (the k-th
+ * buffer created in every step is "the same" buffer), so plans survive per-step temporaries.
+ *
+ * Dropping a dirty buffer on a predicted overwrite is a bet on the plan. It is taken only when
+ * the plan was confirmed (the step that recorded it followed its predecessor exactly) and the
+ * current step has followed it so far: the program has overwritten that buffer before reading
+ * it at this point in at least two consecutive steps.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+#include "policy.h"
+
+#define IN_STEP_KEY (1ull << 63)
+#define FAR UINT64_MAX
+#define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
+
+typedef struct plan_entry {
+    uint64_t key;
+    size_t bytes;
+    spw_access mode;
+} plan_entry;
+
+/* Per buffer (node->data): its key and whether the plan prefetched it (not yet acquired). */
+typedef struct kbuf {
+    uint64_t key;
+    spw_buf *buf;
+    bool prefetched;
+    UT_hash_handle hh; /* key -> the newest live buffer with that key */
+} kbuf;
+
+/* Positions of a key in the plan, ascending. */
+typedef struct kpos {
+    uint64_t key;
+    uint32_t *pos;
+    uint32_t n, cap;
+    UT_hash_handle hh;
+} kpos;
+
+struct spw_policy {
+    spw_ctx *ctx;
+    spw_policy *lru; /* recency order, kept up to date always; the fallback */
+    kbuf *by_key;
+    plan_entry *plan, *rec;
+    size_t nplan, nrec, cap_plan, cap_rec;
+    kpos *index;     /* over plan */
+    size_t cursor;   /* next expected plan entry */
+    bool in_step;
+    bool following;  /* in a step, with a plan, no divergence yet */
+    bool confirmed;  /* the plan was recorded by a step that followed its own plan exactly */
+    bool rec_ok;     /* the recording is complete (no host allocation failure) */
+    uint64_t pf_floor; /* during a prefetch: a victim must be needed later than this */
+    uint64_t created_in_step;
+};
+
+static kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
+
+/* ---- plan index ---- */
+
+static void index_free(spw_policy *p) {
+    kpos *e, *tmp;
+    HASH_ITER(hh, p->index, e, tmp) {
+        HASH_DEL(p->index, e);
+        free(e->pos);
+        free(e);
+    }
+}
+
+/* Build key -> positions for the plan; false (and no index) on host allocation failure. */
+static bool index_build(spw_policy *p) {
+    for (size_t i = 0; i < p->nplan; i++) {
+        kpos *e = NULL;
+        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+        if (!e) {
+            e = calloc(1, sizeof *e);
+            if (!e) goto fail;
+            e->key = p->plan[i].key;
+            HASH_ADD(hh, p->index, key, sizeof(uint64_t), e);
+        }
+        if (e->n == e->cap) {
+            uint32_t cap = e->cap ? 2 * e->cap : 4;
+            uint32_t *np = realloc(e->pos, cap * sizeof *np);
+            if (!np) goto fail;
+            e->pos = np;
+            e->cap = cap;
+        }
+        e->pos[e->n++] = (uint32_t)i;
+    }
+    return true;
+fail:
+    index_free(p);
+    return false;
+}
+
+/* Plan entries from the cursor to the next use of key (wrapping into the next step), or FAR.
+ * *mode receives that use's mode. */
+static uint64_t next_use(const spw_policy *p, uint64_t key, spw_access *mode) {
+    kpos *e = NULL;
+    HASH_FIND(hh, p->index, &key, sizeof(uint64_t), e);
+    if (!e || !e->n) return FAR;
+    uint32_t lo = 0, hi = e->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (e->pos[mid] < p->cursor) lo = mid + 1;
+        else hi = mid;
+    }
+    size_t at = lo < e->n ? e->pos[lo] : e->pos[0] + p->nplan;
+    if (mode) *mode = p->plan[at % p->nplan].mode;
+    return at - p->cursor;
+}
+
+/* Distance from the cursor to the use of key that follows plan position `after`. */
+static uint64_t use_after(const spw_policy *p, uint64_t key, size_t after) {
+    kpos *e = NULL;
+    HASH_FIND(hh, p->index, &key, sizeof(uint64_t), e);
+    if (!e || !e->n) return FAR;
+    for (uint32_t i = 0; i < e->n; i++)
+        if (e->pos[i] > after) return e->pos[i] - p->cursor;
+    return e->pos[0] + p->nplan - p->cursor;
+}
+
+static bool predicting(const spw_policy *p) { return p->following && p->index && p->nplan; }
+
+/* ---- lifecycle ---- */
+
+static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
+    spw_policy *p = calloc(1, sizeof *p);
+    if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "policy plan: out of host memory");
+    spw_status st = spw__policy_lru.create(ctx, &p->lru);
+    if (st) {
+        free(p);
+        return st;
+    }
+    p->ctx = ctx;
+    *out = p;
+    return SPW_OK;
+}
+
+static void plan_destroy(spw_policy *p) {
+    kbuf *e, *tmp;
+    HASH_ITER(hh, p->by_key, e, tmp) HASH_DEL(p->by_key, e);
+    index_free(p);
+    free(p->plan);
+    free(p->rec);
+    spw__policy_lru.destroy(p->lru);
+    free(p);
+}
+
+static void plan_on_create(spw_policy *p, spw_buf *b) {
+    kbuf *k = calloc(1, sizeof *k);
+    if (!k) return; /* this buffer stays unknown to the plan: evicted first, never prefetched */
+    k->buf = b;
+    k->key = p->in_step ? (IN_STEP_KEY | p->created_in_step++) : spw__pol_id(b);
+    kbuf *old = NULL;
+    HASH_REPLACE(hh, p->by_key, key, sizeof(uint64_t), k, old);
+    (void)old; /* an older live buffer with that key is simply no longer found by key */
+    spw__pol_node(b)->data = k;
+}
+
+static void plan_on_destroy(spw_policy *p, spw_buf *b) {
+    spw__policy_lru.on_destroy(p->lru, b);
+    kbuf *k = kb_of(b);
+    if (!k) return;
+    kbuf *cur = NULL;
+    HASH_FIND(hh, p->by_key, &k->key, sizeof(uint64_t), cur);
+    if (cur == k) HASH_DEL(p->by_key, k);
+    spw__pol_node(b)->data = NULL;
+    free(k);
+}
+
+/* ---- steps ---- */
+
+static void plan_step_end(spw_policy *p) {
+    if (!p->in_step) return;
+    p->in_step = false;
+    bool exact = p->following && p->cursor == p->nplan && p->nrec == p->nplan;
+    index_free(p);
+    if (!p->rec_ok) { /* incomplete recording: forget everything, relearn next step */
+        p->nplan = 0;
+        p->confirmed = false;
+    } else {
+        plan_entry *t = p->plan;
+        size_t tc = p->cap_plan;
+        p->plan = p->rec;
+        p->cap_plan = p->cap_rec;
+        p->nplan = p->nrec;
+        p->rec = t;
+        p->cap_rec = tc;
+        p->confirmed = exact;
+        if (!index_build(p)) {
+            p->nplan = 0;
+            p->confirmed = false;
+        }
+    }
+    p->nrec = 0;
+    p->following = false;
+}
+
+static void plan_step_begin(spw_policy *p) {
+    plan_step_end(p);
+    p->in_step = true;
+    p->rec_ok = true;
+    p->nrec = 0;
+    p->cursor = 0;
+    p->created_in_step = 0;
+    p->following = p->nplan > 0 && p->index;
+}
+
+/* ---- accesses ---- */
+
+static void record(spw_policy *p, uint64_t key, spw_access mode, size_t bytes) {
+    if (!p->rec_ok) return;
+    if (p->nrec == p->cap_rec) {
+        size_t cap = p->cap_rec ? 2 * p->cap_rec : 64;
+        plan_entry *n = realloc(p->rec, cap * sizeof *n);
+        if (!n) {
+            p->rec_ok = false;
+            return;
+        }
+        p->rec = n;
+        p->cap_rec = cap;
+    }
+    p->rec[p->nrec++] = (plan_entry){key, bytes, mode};
+}
+
+static void plan_on_acquire(spw_policy *p, spw_buf *b, spw_access mode, spw_stream s, unsigned count) {
+    spw__policy_lru.on_acquire(p->lru, b, mode, s, count);
+    kbuf *k = kb_of(b);
+    spw_stats *st = &p->ctx->stats;
+    if (k && k->prefetched) {
+        k->prefetched = false;
+        spw__stat_add(&st->plan_prefetch_used, (int64_t)spw__pol_bytes(b));
+    }
+    if (!p->in_step) return;
+    uint64_t key = k ? k->key : FAR;
+    size_t bytes = spw__pol_bytes(b);
+    record(p, key, mode, bytes);
+    if (!p->following) return;
+    const plan_entry *e = p->cursor < p->nplan ? &p->plan[p->cursor] : NULL;
+    if (k && e && e->key == key && e->mode == mode && e->bytes == bytes) {
+        p->cursor++;
+        spw__stat_event(&st->plan_hits);
+    } else {
+        p->following = false;
+        spw__stat_event(&st->plan_divergences);
+    }
+}
+
+static void plan_on_release(spw_policy *p, spw_buf *b, spw_stream s, unsigned count) {
+    spw__policy_lru.on_release(p->lru, b, s, count);
+}
+
+static void plan_on_resident(spw_policy *p, spw_buf *b) { spw__policy_lru.on_resident(p->lru, b); }
+
+static void plan_on_evicted(spw_policy *p, spw_buf *b) {
+    spw__policy_lru.on_evicted(p->lru, b);
+    kbuf *k = kb_of(b);
+    if (k && k->prefetched) {
+        k->prefetched = false;
+        spw__stat_add(&p->ctx->stats.plan_prefetch_wasted, (int64_t)spw__pol_bytes(b));
+    }
+}
+
+/* ---- decisions ---- */
+
+static uint64_t distance(const spw_policy *p, spw_buf *b, spw_access *mode) {
+    kbuf *k = kb_of(b);
+    return k ? next_use(p, k->key, mode) : FAR;
+}
+
+static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
+    if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
+    spw_buf *best = NULL;
+    uint64_t best_d = 0;
+    bool best_clean = false;
+    for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
+        if (b == incoming || !spw__pol_evictable(b)) continue;
+        uint64_t d = distance(p, b, NULL);
+        bool clean = !spw__pol_dirty(b);
+        /* farthest next use first; among equals, the one that costs no write-back */
+        if (!best || d > best_d || (d == best_d && clean && !best_clean)) {
+            best = b;
+            best_d = d;
+            best_clean = clean;
+        }
+    }
+    if (for_prefetch && best) {
+        /* never push out something needed no later than what the prefetch brings in, nor
+         * something that a buffer used before then will outlast (that one is the better
+         * victim, once it has been used: prefetching now would only displace it) */
+        uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
+        if (best_d <= din || best_d < p->pf_floor) return NULL;
+    }
+    return best;
+}
+
+static int plan_need_writeback(spw_policy *p, spw_buf *b) {
+    if (!predicting(p)) return 1;
+    spw_access mode;
+    uint64_t d = distance(p, b, &mode);
+    return !(d != FAR && mode == SPW_ACCESS_WRITE);
+}
+
+/* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
+ * must be needed later than every buffer used between now and the prefetched one's use (each
+ * of those will be a candidate when it is released). The buffers the caller holds right now
+ * are exempt: that one exemption is the double buffer that lets the transfer of the next
+ * buffer overlap the work on the current one. */
+static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
+    if (p->ctx->cfg.prefetch == SPW_TRI_OFF) return;
+    (void)just, (void)s;
+    if (!predicting(p)) return;
+    size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
+    uint64_t floor = 0; /* max over the window so far of the next use after that use */
+    for (size_t i = 0; i < n; i++) {
+        size_t at = p->cursor + i;
+        const plan_entry *e = &p->plan[at % p->nplan];
+        kbuf *k = NULL;
+        HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
+        if (k && e->mode != SPW_ACCESS_WRITE && !spw__pol_resident(k->buf) && !spw__pol_acquired(k->buf)) {
+            p->pf_floor = floor;
+            spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
+            p->pf_floor = 0;
+            if (st != SPW_OK || !spw__pol_resident(k->buf)) break; /* wait for a better moment */
+            k->prefetched = true;
+            spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));
+        }
+        uint64_t after = use_after(p, e->key, at % p->nplan);
+        if (at >= p->nplan && after != FAR) after += p->nplan; /* entry of the next step */
+        if (after > floor) floor = after;
+    }
+}
+
+const spw_policy_ops spw__policy_plan = {
+    .name = "plan",
+    .create = plan_create,
+    .destroy = plan_destroy,
+    .on_create = plan_on_create,
+    .on_destroy = plan_on_destroy,
+    .on_acquire = plan_on_acquire,
+    .on_release = plan_on_release,
+    .on_resident = plan_on_resident,
+    .on_evicted = plan_on_evicted,
+    .step_begin = plan_step_begin,
+    .step_end = plan_step_end,
+    .choose_victim = plan_choose_victim,
+    .need_writeback = plan_need_writeback,
+    .prefetch = plan_prefetch,
+};
