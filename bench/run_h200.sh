@@ -5,11 +5,13 @@
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/h200-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-$PWD/h200-out}
+OUT=/tmp/h200-logs      # many files here; one archive of them goes to $FINAL at the end
+mkdir -p "$OUT" "$FINAL"
+trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
-steps=${*:-build test replay alloc probe stream}
+steps=${*:-build test shim replay alloc probe stream}
 has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $* ($(date +%T))"; }
 rc=0
@@ -53,9 +55,12 @@ if has probe; then
 fi
 if has stream; then
   log bench stream
-  for args in "--residency explicit --policy lru" "--residency managed --policy lru" "--policy plan" "--policy plan --batch 4096" "--policy lru --batch 4096"; do
-    echo "--- bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB $args"
-    ./build/spillway bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB $args 2>&1 | tee -a "$OUT/bench-stream.txt" || rc=1
+  common="--layers 32 --layer-mib 128 --budget 2GiB"
+  for args in "--batch 16 --residency explicit --policy lru" "--batch 16 --residency managed --policy lru" \
+              "--batch 16 --policy lru,plan" "--batch 4096 --policy lru,plan"; do
+    echo "--- spillway bench stream $common $args"
+    ./build/spillway bench stream $common $args 2>&1 | tee -a "$OUT/bench-stream.txt" || rc=1
+    ./build/spillway bench stream $common $args --json >>"$OUT/bench-stream.jsonl" 2>>"$OUT/bench-stream.err" || rc=1
   done
 fi
 log "done rc=$rc"

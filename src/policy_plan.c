@@ -68,7 +68,8 @@ struct spw_policy {
     bool following;  /* in a step, with a plan, no divergence yet */
     bool confirmed;  /* the plan was recorded by a step that followed its own plan exactly */
     bool rec_ok;     /* the recording is complete (no host allocation failure) */
-    uint64_t pf_floor; /* during a prefetch: a victim must be needed later than this */
+    uint64_t pf_floor; /* during the policy's own prefetch: a victim must be needed later */
+    bool pf_own;       /* pf_floor is set (else choose_victim computes it for a user hint) */
     uint64_t created_in_step;
 };
 
@@ -136,6 +137,21 @@ static uint64_t use_after(const spw_policy *p, uint64_t key, size_t after) {
     for (uint32_t i = 0; i < e->n; i++)
         if (e->pos[i] > after) return e->pos[i] - p->cursor;
     return e->pos[0] + p->nplan - p->cursor;
+}
+
+/* The largest next-use-after-use over the plan entries from the cursor up to `upto` entries
+ * ahead: a buffer used in that window becomes a victim candidate with that distance once it is
+ * released, before the entry `upto` is reached. */
+static uint64_t window_floor(const spw_policy *p, uint64_t upto) {
+    uint64_t floor = 0;
+    size_t n = (size_t)SPW_MIN(upto, (uint64_t)LOOKAHEAD_MAX);
+    for (size_t i = 0; i < n && p->nplan; i++) {
+        size_t at = p->cursor + i;
+        uint64_t after = use_after(p, p->plan[at % p->nplan].key, at % p->nplan);
+        if (at >= p->nplan && after != FAR) after += p->nplan;
+        if (after > floor) floor = after;
+    }
+    return floor;
 }
 
 static bool predicting(const spw_policy *p) { return p->following && p->index && p->nplan; }
@@ -308,7 +324,8 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
          * something that a buffer used before then will outlast (that one is the better
          * victim, once it has been used: prefetching now would only displace it) */
         uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
-        if (best_d <= din || best_d < p->pf_floor) return NULL;
+        uint64_t floor = p->pf_own ? p->pf_floor : window_floor(p, din);
+        if (best_d <= din || best_d < floor) return NULL;
     }
     return best;
 }
@@ -338,8 +355,9 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
         HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
         if (k && e->mode != SPW_ACCESS_WRITE && !spw__pol_resident(k->buf) && !spw__pol_acquired(k->buf)) {
             p->pf_floor = floor;
+            p->pf_own = true;
             spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
-            p->pf_floor = 0;
+            p->pf_own = false;
             if (st != SPW_OK || !spw__pol_resident(k->buf)) break; /* wait for a better moment */
             k->prefetched = true;
             spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));

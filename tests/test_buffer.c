@@ -64,6 +64,7 @@ static void fill_buf(spw_buf *b, uint8_t v) {
 
 static void test_states(void **state) {
     (void)state;
+    TEST_REQUIRE_EMU(); /* host callbacks stand in for kernels: they touch device memory */
     spw_ctx *ctx = test_ctx("budget=64MiB");
     spw_buf *b;
     assert_ok(spw_buf_create(ctx, MiB, 0, &b));
@@ -201,6 +202,7 @@ static void test_nested_and_streams(void **state) {
  * naming the pinned bytes, on_exhaust=fail, spw_malloc evicting buffers. */
 static void test_pressure(void **state) {
     (void)state;
+    TEST_REQUIRE_EMU(); /* host callbacks stand in for kernels: they touch device memory */
     spw_ctx *ctx = test_ctx("budget=4MiB,grow_ahead=0");
     enum { N = 8 };
     spw_buf *b[N];
