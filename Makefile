@@ -43,7 +43,8 @@ test-gpu: build
 	cd $(BUILD) && SPW_TEST_BACKEND=cuda ctest --output-on-failure -j 1
 
 demo: build
-	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz --summary
+	./$(BUILD)/spillway bench stream --summary
+	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))

@@ -30,7 +30,8 @@ if has test; then
 fi
 if has shim; then
   log shim
-  (cd build && timeout 300 ctest --output-on-failure -R "^shim" ) >"$OUT/shim.log" 2>&1 || rc=1
+  timeout 400 tests/gpu/run_shim_tests.sh build/spillway /tmp/shim-work >"$OUT/shim.log" 2>&1 || rc=1
+  cp /tmp/shim-work/results.md "$OUT/shim-results.md" 2>/dev/null
   tail -60 "$OUT/shim.log"
 fi
 if has replay; then
@@ -61,6 +62,10 @@ if has stream; then
     echo "--- spillway bench stream $common $args"
     ./build/spillway bench stream $common $args 2>&1 | tee -a "$OUT/bench-stream.txt" || rc=1
     ./build/spillway bench stream $common $args --json >>"$OUT/bench-stream.jsonl" 2>>"$OUT/bench-stream.err" || rc=1
+  done
+  for early in 1 2 4; do
+    echo "--- SPILLWAY_CONF=prefetch_early=$early spillway bench stream $common --batch 4096 --policy plan"
+    SPILLWAY_CONF=prefetch_early=$early ./build/spillway bench stream $common --batch 4096 --policy plan 2>&1 | grep -E "^plan|moved" | tee -a "$OUT/bench-stream.txt"
   done
 fi
 log "done rc=$rc"

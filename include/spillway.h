@@ -156,6 +156,7 @@ typedef struct spw_counter {
     X(bytes_d2h, 1, "buffer bytes copied device to host (write-backs, managed evictions)")     \
     X(evictions_clean, 0, "evictions that dropped a clean or dead device copy (no copy)")      \
     X(evictions_dirty, 0, "evictions that wrote a dirty device copy back to the host")         \
+    X(managed_collapses, 0, "device replicas of evicted read-only managed buffers dropped")   \
     X(prefetch_hits, 0, "acquires of a buffer made resident by a prefetch")                    \
     X(stalls, 0, "acquires whose stream had to wait on a transfer not yet complete")           \
     X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (where measured)")    \
@@ -232,7 +233,10 @@ SPW_API size_t spw_buf_size(const spw_buf *buf);
 SPW_API spw_status spw_acquire(spw_buf *buf, spw_stream stream, spw_access mode, void **devptr);
 /* End the use begun by spw_acquire: records the last use on stream, without blocking. */
 SPW_API spw_status spw_release(spw_buf *buf, spw_stream stream);
-/* Hints: start moving buf to the device (ordered before later work on stream) / off it. */
+/* Hints: start moving buf to the device (ordered before later work on stream) / off it.
+ * spw_prefetch returns SPW_OK and moves nothing when the budget has no room that the policy
+ * is willing to make (LRU displaces the least recently used; plan never displaces a buffer
+ * needed sooner). */
 SPW_API spw_status spw_prefetch(spw_buf *buf, spw_stream stream);
 SPW_API spw_status spw_evict(spw_buf *buf);
 /* The contents are dead: no copy of them needs to survive (next acquire should be WRITE). */

@@ -7,6 +7,8 @@
  *   dirty      resident, dv, !hv          device copy newer: eviction writes it back first
  *   dead       dead (resident or not)     nobody needs the contents: never written back
  *   + in flight (xfer / pending events) and acquired (acq > 0: pinned, never evicted).
+ *   Read-only managed buffers are resident as read-mostly replicas; evicted, they are host
+ *   plus `collapsing` until their last use completes (engine.h: read-mostly replicas).
  * Invariants: dead || hv || dv (invariant 2: a failed step leaves the previous copy valid);
  * resident && !dead => dv; read-only buffers are never dirty; acquired => resident.
  *
@@ -42,7 +44,9 @@ static spw_status bad_handle(const spw_buf *b, const char *fn, uint32_t m) {
                       (const void *)b, (unsigned)m);
 }
 
-/* On SPW_OK the context lock is held. */
+static void collapse_poll(spw_ctx *ctx);
+
+/* On SPW_OK the context lock is held (and due replica collapses are done). */
 static spw_status enter(spw_buf *b, const char *fn) {
     if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
     uint32_t m = atomic_load(&b->magic);
@@ -53,6 +57,7 @@ static spw_status enter(spw_buf *b, const char *fn) {
         pthread_mutex_unlock(&b->ctx->lock);
         return bad_handle(b, fn, m);
     }
+    collapse_poll(b->ctx);
     return SPW_OK;
 }
 
@@ -110,7 +115,90 @@ static void release_block(spw_ctx *ctx, spw_buf *b) {
     b->dev = NULL;
 }
 
-/* Forget the device copy (after a write-back, or when it is clean or dead). Cannot fail. */
+/* ---- read-only managed buffers: read-mostly replicas (model in engine.h) ---- */
+
+/* Ask for a device replica of read-only managed b before its prefetch to the device: preferred
+ * location the device, read-mostly. Advice takes effect at once, not in stream order; that is
+ * harmless here: it only makes device reads duplicate pages instead of moving them. Advice
+ * already in effect (a collapse still pending) is not repeated. Cannot fail: a refused
+ * preferred location is only slower; without read-mostly (adv_rm stays false) the prefetch
+ * migrates the pages and eviction migrates them back, as for read-write buffers. */
+static void replica_advise(spw_ctx *ctx, spw_buf *b) {
+    if (!b->adv_dev) b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_PREFERRED_DEVICE) == SPW_OK;
+    if (!b->adv_rm) b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
+}
+
+static void collapse_unlink(struct spw_engine *e, spw_buf *b) {
+    if (!b->collapsing) return;
+    if (b->cprev) b->cprev->cnext = b->cnext;
+    else e->c_first = b->cnext;
+    if (b->cnext) b->cnext->cprev = b->cprev;
+    else e->c_last = b->cprev;
+    b->cprev = b->cnext = NULL;
+    b->collapsing = false;
+}
+
+/* Make sure ev_dev marks b's last device use. It is unrecorded only after a failed
+ * event_record, and then dev_s is a copy stream (releases fail unless they record), so
+ * recording now orders after that use (and maybe later copies: late, never early). */
+static bool last_use_recorded(spw_ctx *ctx, spw_buf *b) {
+    if (!b->dev_touched || b->dev_rec) return true;
+    if (OPS(ctx)->event_record(BE(ctx), b->ev_dev, b->dev_s)) return false;
+    b->dev_rec = true;
+    return true;
+}
+
+/* b (read-mostly, just made non-resident) keeps its replica until its last device use is
+ * complete: queue it for collapse_poll. Best effort, cannot fail: the poll retries whatever
+ * fails here. */
+static void collapse_add(spw_ctx *ctx, spw_buf *b) {
+    struct spw_engine *e = ctx->engine;
+    if (b->collapsing) return;
+    last_use_recorded(ctx, b);
+    b->collapsing = true;
+    b->cnext = NULL;
+    b->cprev = e->c_last;
+    if (e->c_last) e->c_last->cnext = b;
+    else e->c_first = b;
+    e->c_last = b;
+}
+
+/* Drop b's replica, its last use being complete: preferred location the host first, so that
+ * unsetting read-mostly collapses the copies onto the host's (valid since the data was last
+ * written there: no transfer). Advice failures keep b listed, to be retried by the next poll:
+ * nothing is lost meanwhile (the host copy stays valid, the replica only lingers), and a
+ * collapse that cannot be done at all ends at destroy, whose free drops every copy. */
+static void collapse_now(spw_ctx *ctx, spw_buf *b) {
+    if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_PREFERRED_HOST)) return;
+    b->adv_dev = false;
+    if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_UNSET_READ_MOSTLY)) return;
+    b->adv_rm = false;
+    b->replica = false;
+    collapse_unlink(ctx->engine, b);
+    spw__stat_event(&ctx->stats.managed_collapses);
+    spw__tsink_instant(ctx->engine->sink, "collapse replica", NULL, "engine", b->bytes, b->id);
+}
+
+/* Collapse every listed replica whose last device use is complete. Called with the lock held
+ * at every engine entry (buffer calls, steps, spw_malloc's eviction path, stats): one
+ * event_query per listed buffer, never a host-blocking wait; nothing when the list is empty
+ * (the acquire hot path). Buffers being destroyed are left to their destroy. */
+static void collapse_poll(spw_ctx *ctx) {
+    struct spw_engine *e = ctx->engine;
+    if (!e || !e->c_first) return;
+    spw_buf *next;
+    for (spw_buf *b = e->c_first; b; b = next) {
+        next = b->cnext;
+        if (atomic_load(&b->magic) != SPW_BUF_ALIVE || !last_use_recorded(ctx, b)) continue;
+        if (b->dev_touched && OPS(ctx)->event_query(BE(ctx), b->ev_dev) != SPW_OK) continue;
+        collapse_now(ctx, b);
+    }
+}
+
+/* Forget the device copy (after a write-back, or when it is clean or dead). Cannot fail. A
+ * read-mostly managed buffer is refunded at once but keeps its replica until collapse_poll
+ * sees its last device use complete (the budget is a logical cap: the physical replica
+ * lingers at most until the first engine call after that use completes). */
 static void drop_device(spw_ctx *ctx, spw_buf *b) {
     if (b->managed) managed_charge(ctx, b, -1);
     else release_block(ctx, b);
@@ -122,6 +210,7 @@ static void drop_device(spw_ctx *ctx, spw_buf *b) {
         b->dev_touched = false;
     }
     set_resident(ctx, b, false);
+    if (b->managed && b->adv_rm) collapse_add(ctx, b);
 }
 
 /* Evict b. `user`: spw_evict (always write dirty data back) rather than the policy. On
@@ -135,7 +224,9 @@ static spw_status evict_buf(spw_ctx *ctx, spw_buf *b, bool user) {
     spw_status st;
     bool wrote = false;
     if (b->managed) {
-        if ((st = spw__copy_managed_to_host(ctx, b))) return st;
+        /* read-mostly: the host copy is valid, nothing moves (drop_device queues the
+         * replica's collapse); otherwise the pages migrate to the host */
+        if (!b->adv_rm && (st = spw__copy_managed_to_host(ctx, b))) return st;
         wrote = !(b->flags & SPW_BUF_READ_ONLY) && !b->dead;
     } else if (spw__pol_dirty(b)) {
         if (!user && e->pops->need_writeback && !e->pops->need_writeback(e->pol, b)) {
@@ -202,6 +293,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
 
 spw_status spw__engine_alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
     if (!ctx->engine) return SPW_ERR_OUT_OF_MEMORY;
+    collapse_poll(ctx);
     return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out);
 }
 
@@ -232,10 +324,15 @@ static spw_status make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_strea
     spw_status st;
     if (b->managed) {
         if ((st = managed_room(ctx, b, for_prefetch, may_evict))) return st;
+        if (b->flags & SPW_BUF_READ_ONLY) replica_advise(ctx, b);
         if ((st = spw__copy_upload(ctx, b))) {
             managed_charge(ctx, b, -1);
+            if (b->adv_rm) collapse_add(ctx, b); /* adv_rm => resident || collapsing */
             return st;
         }
+        /* a pending collapse is cancelled: the replica, if still there, serves again (the
+         * prefetch found it and moved nothing) */
+        collapse_unlink(e, b);
         b->dv = true;
         set_resident(ctx, b, true);
         return SPW_OK;
@@ -322,6 +419,8 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     if (b->acq) spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
     b->acq = 0;
     if (b->resident) drop_device(ctx, b);
+    /* a pending collapse needs no advice: the free below drops the replica with the memory */
+    collapse_unlink(e, b);
     if (e->pops->on_destroy) e->pops->on_destroy(e->pol, b);
     spw__stat_add(&ctx->stats.buffers_host, -1);
     if (b->prev) b->prev->next = b->next;
@@ -368,6 +467,7 @@ void spw__engine_destroy(spw_ctx *ctx) {
 
 void spw__engine_stats_sync(spw_ctx *ctx) {
     if (!ctx->engine) return;
+    collapse_poll(ctx);
     int64_t ns = (int64_t)spw__tsink_stall_ns(ctx->engine->sink);
     ctx->stats.stall_ns.current = ctx->stats.stall_ns.total = ctx->stats.stall_ns.peak = ns;
 }
@@ -448,6 +548,7 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
                           "%s: managed residency needs concurrent managed access, which device '%s' lacks "
                           "(e.g. WSL2 or Windows); use residency=explicit (or SPW_BUF_EXPLICIT)", fn, ctx->dev.name);
     pthread_mutex_lock(&ctx->lock);
+    collapse_poll(ctx);
     spw_buf *b = NULL;
     if ((st = buf_new(ctx, bytes, flags, &b))) goto out;
     b->managed = managed;
@@ -457,9 +558,13 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
             buf_unnew(ctx, b);
             goto out;
         }
-        /* hints; a device that refuses them still works, only slower */
-        OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, SPW_ADVISE_PREFERRED_DEVICE);
-        if (flags & SPW_BUF_READ_ONLY) OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, SPW_ADVISE_READ_MOSTLY);
+        /* A hint; a device that refuses it still works, only slower. Read-only buffers get
+         * read-mostly only while resident (replica_advise): a prefetch to the host does not
+         * remove a read-mostly replica, and advice is not stream-ordered, so eviction drops
+         * the replica by advice once its last use is complete (collapse_poll). Measured on
+         * the H200: read-mostly set for a buffer's whole life kept "evicted" layers on the
+         * device and the budget held on paper only. */
+        b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, SPW_ADVISE_PREFERRED_DEVICE) == SPW_OK;
     } else if ((st = spw__hostpool_alloc(ctx->engine->hp, bytes, &b->host, &b->hblock))) {
         buf_unnew(ctx, b);
         goto out;
@@ -489,6 +594,7 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
         return spw__error(SPW_ERR_UNSUPPORTED, "%s: caller memory cannot be managed memory; registered buffers "
                           "use explicit residency (drop SPW_BUF_MANAGED)", fn);
     pthread_mutex_lock(&ctx->lock);
+    collapse_poll(ctx);
     spw_buf *b = NULL;
     if ((st = buf_new(ctx, bytes, flags, &b))) {
         pthread_mutex_unlock(&ctx->lock);
@@ -658,9 +764,14 @@ spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict) {
 SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
     spw_status st;
     if ((st = enter(b, "spw_prefetch"))) return st;
-    /* ordered before later acquires on every stream, s included: they wait on the upload */
-    st = prefetch_locked(b->ctx, b, 0, true);
-    if (st == SPW_ERR_OUT_OF_MEMORY) st = oom_for(b->ctx, b, s, "spw_prefetch");
+    (void)s;
+    /* ordered before later acquires on every stream, s included: they wait on the upload.
+     * A hint: the policy decides what it may displace (for_prefetch). */
+    st = prefetch_locked(b->ctx, b, 1, true);
+    if (st == SPW_ERR_OUT_OF_MEMORY) { /* declined: no room the policy is willing to make */
+        spw__error_clear();
+        st = SPW_OK;
+    }
     leave(b);
     return st;
 }
@@ -694,6 +805,7 @@ static spw_status step(spw_ctx *ctx, bool begin) {
     if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: context is NULL", begin ? "spw_step_begin" : "spw_step_end");
     pthread_mutex_lock(&ctx->lock);
     struct spw_engine *e = ctx->engine;
+    collapse_poll(ctx);
     if (begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);
@@ -745,6 +857,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     if (st) goto out;
     b->hv = true;
     b->dead = false;
+    b->replica = false; /* the host write invalidated any read-mostly replica's pages */
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
         if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) drop_device(ctx, b);

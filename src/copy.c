@@ -76,7 +76,10 @@ spw_status spw__copy_upload(spw_ctx *ctx, spw_buf *b) {
         if ((st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, e->h2d))) return st;
         b->dev_rec = true;
         b->xfer = true;
-        spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)b->bytes);
+        /* a read-mostly replica still in place (its collapse was pending) was counted when
+         * it was made: the prefetch finds the pages and moves nothing */
+        if (!b->replica) spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)b->bytes);
+        b->replica = b->adv_rm;
         return SPW_OK;
     }
     /* explicit: the block was allocated on h2d (dev_s == h2d), so the copy is ordered after
@@ -143,7 +146,8 @@ spw_status spw__copy_managed_to_host(spw_ctx *ctx, spw_buf *b) {
     b->dev_s = e->d2h;
     b->dev_rec = false;
     b->dev_touched = true;
-    if (!(b->flags & SPW_BUF_READ_ONLY)) spw__stat_add(&ctx->stats.bytes_d2h, (int64_t)b->bytes);
+    /* the pages move whatever their state: unified memory does not know they are clean */
+    spw__stat_add(&ctx->stats.bytes_d2h, (int64_t)b->bytes);
     /* recording is an optimization here (host waiters can synchronize d2h instead) */
     if (!OPS(ctx)->event_record(BE(ctx), b->ev_dev, e->d2h)) b->dev_rec = true;
     return SPW_OK;

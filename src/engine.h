@@ -17,6 +17,15 @@
  *   event_record after a successful enqueue); host code then synchronizes that stream.
  * Consequence: two streams using one buffer at once are chained at release (the second
  * release waits for the first's use). Correct, at the price of a false dependency in that case.
+ *
+ * Read-only managed buffers (read-mostly replicas, buffer.c): made resident with advice
+ * "preferred location device" + "read-mostly" and a prefetch to the device, which makes a
+ * device replica while the host copy stays valid. Eviction moves nothing: it refunds the
+ * budget and puts the buffer on the engine's collapse list. Advice is not stream-ordered, so
+ * the replica is dropped (advice "preferred location host" + "unset read-mostly": the copies
+ * collapse onto the host's, no transfer) only once ev_dev reports the last device use
+ * complete, checked by event_query on later engine calls (never a host-blocking wait).
+ * State: adv_rm => (resident || collapsing), and collapsing => !resident && adv_rm.
  */
 #ifndef SPW_ENGINE_H
 #define SPW_ENGINE_H
@@ -70,6 +79,14 @@ struct spw_buf {
     bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
     unsigned untracked;
 
+    /* managed advice in effect (a refused advice leaves its flag false) */
+    bool adv_dev;    /* preferred location: the device */
+    bool adv_rm;     /* read-mostly (read-only buffers only): a device replica may exist */
+    bool collapsing; /* on the engine's collapse list: evicted, replica not yet dropped */
+    bool replica;    /* a replica made by a counted prefetch, not since collapsed or written on
+                      * the host: prefetching again moves (and counts) nothing */
+    spw_buf *cprev, *cnext; /* collapse list links */
+
     spw_policy_node node;
     spw_buf *prev, *next; /* engine list (creation order) or quarantine */
 };
@@ -82,6 +99,7 @@ struct spw_engine {
     spw_policy *pol;
     spw_buf *first, *last; /* live buffers, creation order */
     spw_buf *q_first, *q_last; /* destroyed structs kept to detect use after destroy */
+    spw_buf *c_first, *c_last; /* read-only managed buffers whose replica awaits collapse */
     size_t q_count;
     uint64_t next_id;
     uint64_t step;
@@ -114,7 +132,8 @@ spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n
 /* Copy b's device copy into its host copy on the D2H stream, after every use; on success the
  * host copy is valid (pending ev_host). On failure b is unchanged. */
 spw_status spw__copy_writeback(spw_ctx *ctx, spw_buf *b);
-/* Managed: migrate b to the host on the D2H stream after every use. */
+/* Managed, read-write (or read-only without read-mostly): migrate b to the host on the D2H
+ * stream after every use. Read-mostly buffers are evicted without it (buffer.c). */
 spw_status spw__copy_managed_to_host(spw_ctx *ctx, spw_buf *b);
 /* Events to wait for (lock dropped) before host code touches b's host copy, plus copy streams
  * to synchronize. */

@@ -50,7 +50,11 @@ static const opt_def options[] = {
      "prefetch ahead)"},
     {"prefetch", OPT_ENUM, "auto", "auto|on|off", OFF(prefetch),
      "policy=plan: prefetch the next buffers of the plan so transfers overlap work (costs one "
-     "buffer of device memory for the double buffer); off moves the fewest bytes"},
+     "buffer of device memory for the double buffer); auto: on where transfers take time (cuda), "
+     "off on the instant emu device; off moves the fewest bytes"},
+    {"prefetch_early", OPT_INT, "0", NULL, OFF(prefetch_early),
+     "policy=plan: buffers it may prefetch ahead of the byte-optimal schedule (each can cost one "
+     "extra transfer, but keeps the link busy during runs of resident buffers)"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

@@ -67,10 +67,9 @@ static void lru_on_evicted(spw_policy *p, spw_buf *b) {
 }
 
 static spw_buf *lru_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
-    (void)need, (void)incoming;
-    /* A prefetch never pushes out a resident buffer under LRU: with no knowledge of the future,
-     * what is resident was used more recently than anything a prefetch could bring in. */
-    if (for_prefetch) return NULL;
+    (void)need, (void)incoming, (void)for_prefetch;
+    /* LRU never prefetches on its own: a prefetch here is the caller's hint (spw_prefetch),
+     * which knows the future better than recency does, so it may displace the oldest. */
     for (spw_policy_node *n = p->head.next; n != &p->head; n = n->next)
         if (spw__pol_evictable(n->buf)) return n->buf;
     return NULL;

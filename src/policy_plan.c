@@ -33,6 +33,10 @@
 #define IN_STEP_KEY (1ull << 63)
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
+#ifndef FREE_VICTIM_SLACK
+#define FREE_VICTIM_SLACK 2
+#endif
+
 
 typedef struct plan_entry {
     uint64_t key;
@@ -45,6 +49,7 @@ typedef struct kbuf {
     uint64_t key;
     spw_buf *buf;
     bool prefetched;
+    bool early;        /* prefetched against the floor rule, not yet used */
     UT_hash_handle hh; /* key -> the newest live buffer with that key */
 } kbuf;
 
@@ -70,6 +75,8 @@ struct spw_policy {
     bool rec_ok;     /* the recording is complete (no host allocation failure) */
     uint64_t pf_floor; /* during the policy's own prefetch: a victim must be needed later */
     bool pf_own;       /* pf_floor is set (else choose_victim computes it for a user hint) */
+    bool pf_early;     /* the current prefetch may ignore the floor (an early slot is free) */
+    int early;         /* buffers prefetched early and not used or evicted since */
     uint64_t created_in_step;
 };
 
@@ -196,6 +203,7 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
     spw__policy_lru.on_destroy(p->lru, b);
     kbuf *k = kb_of(b);
     if (!k) return;
+    if (k->early) p->early--;
     kbuf *cur = NULL;
     HASH_FIND(hh, p->by_key, &k->key, sizeof(uint64_t), cur);
     if (cur == k) HASH_DEL(p->by_key, k);
@@ -266,6 +274,10 @@ static void plan_on_acquire(spw_policy *p, spw_buf *b, spw_access mode, spw_stre
         k->prefetched = false;
         spw__stat_add(&st->plan_prefetch_used, (int64_t)spw__pol_bytes(b));
     }
+    if (k && k->early) {
+        k->early = false;
+        p->early--;
+    }
     if (!p->in_step) return;
     uint64_t key = k ? k->key : FAR;
     size_t bytes = spw__pol_bytes(b);
@@ -294,6 +306,10 @@ static void plan_on_evicted(spw_policy *p, spw_buf *b) {
         k->prefetched = false;
         spw__stat_add(&p->ctx->stats.plan_prefetch_wasted, (int64_t)spw__pol_bytes(b));
     }
+    if (k && k->early) {
+        k->early = false;
+        p->early--;
+    }
 }
 
 /* ---- decisions ---- */
@@ -305,26 +321,35 @@ static uint64_t distance(const spw_policy *p, spw_buf *b, spw_access *mode) {
 
 static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
-    spw_buf *best = NULL;
-    uint64_t best_d = 0;
-    bool best_clean = false;
+    spw_buf *best = NULL, *free_best = NULL;
+    uint64_t best_d = 0, free_d = 0;
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
         if (b == incoming || !spw__pol_evictable(b)) continue;
-        uint64_t d = distance(p, b, NULL);
-        bool clean = !spw__pol_dirty(b);
-        /* farthest next use first; among equals, the one that costs no write-back */
-        if (!best || d > best_d || (d == best_d && clean && !best_clean)) {
+        spw_access mode = SPW_ACCESS_READ;
+        uint64_t d = distance(p, b, &mode);
+        /* free to evict: nothing to write back, or the next access overwrites it anyway */
+        bool free_evict = !spw__pol_dirty(b) || (d != FAR && mode == SPW_ACCESS_WRITE);
+        if (!best || d > best_d) {
             best = b;
             best_d = d;
-            best_clean = clean;
         }
+        if (free_evict && (!free_best || d > free_d)) {
+            free_best = b;
+            free_d = d;
+        }
+    }
+    /* Belady counts every eviction alike; a write-back costs a transfer too. A victim that
+     * costs nothing and is needed not much sooner than the farthest one is the better buy. */
+    if (free_best && free_best != best && free_d >= best_d - best_d / FREE_VICTIM_SLACK) {
+        best = free_best;
+        best_d = free_d;
     }
     if (for_prefetch && best) {
         /* never push out something needed no later than what the prefetch brings in, nor
          * something that a buffer used before then will outlast (that one is the better
          * victim, once it has been used: prefetching now would only displace it) */
         uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
-        uint64_t floor = p->pf_own ? p->pf_floor : window_floor(p, din);
+        uint64_t floor = p->pf_early ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
         if (best_d <= din || best_d < floor) return NULL;
     }
     return best;
@@ -343,7 +368,10 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
  * are exempt: that one exemption is the double buffer that lets the transfer of the next
  * buffer overlap the work on the current one. */
 static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
-    if (p->ctx->cfg.prefetch == SPW_TRI_OFF) return;
+    /* auto: a double buffer buys overlap only where a transfer takes time; on the instant
+     * emulated device it would only cost a buffer of room */
+    spw_tristate pf = p->ctx->cfg.prefetch;
+    if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) return;
     (void)just, (void)s;
     if (!predicting(p)) return;
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
@@ -357,7 +385,17 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
             p->pf_floor = floor;
             p->pf_own = true;
             spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
+            if (st == SPW_ERR_OUT_OF_MEMORY && p->early < p->ctx->cfg.prefetch_early) {
+                p->pf_early = true; /* the floor refused: spend an early slot */
+                st = spw__engine_prefetch(ctx, k->buf, 1);
+                p->pf_early = false;
+                if (st == SPW_OK && spw__pol_resident(k->buf)) {
+                    k->early = true;
+                    p->early++;
+                }
+            }
             p->pf_own = false;
+            if (st == SPW_ERR_OUT_OF_MEMORY) spw__error_clear();
             if (st != SPW_OK || !spw__pol_resident(k->buf)) break; /* wait for a better moment */
             k->prefetched = true;
             spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));

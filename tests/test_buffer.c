@@ -352,6 +352,228 @@ static void test_managed(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* ---- read-only managed buffers: read-mostly replicas ---- */
+
+typedef struct kcheck {
+    const uint8_t *p;
+    size_t n;
+    uint8_t v;
+    atomic_int *gate; /* when set: wait until it is nonzero (a use still running) */
+    atomic_int *bad;  /* set when a byte differs from v */
+} kcheck;
+static void check_cb(void *a) {
+    kcheck *k = a;
+    while (k->gate && !atomic_load(k->gate)) usleep(200);
+    for (size_t i = 0; i < k->n; i++)
+        if (k->p[i] != k->v) {
+            atomic_store(k->bad, 1);
+            return;
+        }
+}
+
+static spw_stats stats_now(spw_ctx *ctx) {
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    return st;
+}
+
+/* Read-only managed buffers are made resident as read-mostly replicas and evicted without a
+ * transfer: no bytes_d2h, the budget refunded at once, the replica collapsed (advice) only
+ * after its last device use completed, a pending collapse cancelled by a new acquire (no
+ * bytes moved), a failed collapse retried without losing data, destroy with a collapse
+ * pending, and the read-write fallback when read-mostly is refused. Contents are checked by
+ * the "kernels" and by host reads throughout. */
+static void test_managed_read_only(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU(); /* fault injection, call counts, internal state */
+    spw_ctx *ctx = test_ctx("budget=4MiB,residency=managed,grow_ahead=0");
+    spw_backend *be = ctx->backend;
+    enum { N = 6 };
+    spw_buf *b[N];
+    for (int i = 0; i < N; i++) {
+        assert_ok(spw_buf_create(ctx, MiB, SPW_BUF_READ_ONLY, &b[i]));
+        fill_buf(b[i], (uint8_t)(40 + i));
+    }
+    spw_stream s;
+    assert_ok(spw_stream_create(ctx, &s));
+    atomic_int gate, bad;
+    atomic_init(&gate, 0);
+    atomic_init(&bad, 0);
+    kcheck k[64];
+    int nk = 0;
+    void *d;
+
+    /* a use that is still running when the buffer is evicted */
+    assert_ok(spw_acquire(b[0], s, SPW_ACCESS_READ, &d));
+    assert_true(b[0]->adv_rm && b[0]->replica);
+    k[nk] = (kcheck){d, MiB, 40, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    assert_ok(spw_release(b[0], s));
+    spw_stats s0 = stats_now(ctx);
+    unsigned long adv0 = spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE);
+    unsigned long pf0 = spw__emu_calls(be, SPW_CALL_PREFETCH);
+    assert_ok(spw_evict(b[0]));
+    spw_stats s1 = stats_now(ctx);
+    assert_false(b[0]->resident);
+    assert_int_equal(s1.bytes_d2h.total - s0.bytes_d2h.total, 0);
+    assert_int_equal(s1.evictions_clean.total - s0.evictions_clean.total, 1);
+    assert_int_equal(s0.held.current - s1.held.current, (int64_t)MiB); /* refunded at once */
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_PREFETCH), pf0);      /* nothing moved */
+    /* engine calls while the use runs: no advice yet */
+    for (int i = 0; i < 3; i++) s1 = stats_now(ctx);
+    assert_true(b[0]->collapsing && b[0]->adv_rm);
+    assert_int_equal(s1.managed_collapses.total, s0.managed_collapses.total);
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE), adv0);
+    atomic_store(&gate, 1);
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_ok(spw_step_begin(ctx)); /* the next engine call (any) collapses */
+    assert_false(b[0]->collapsing || b[0]->adv_rm || b[0]->replica);
+    assert_ok(spw_step_end(ctx));
+    s1 = stats_now(ctx);
+    assert_int_equal(s1.managed_collapses.total - s0.managed_collapses.total, 1);
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE) - adv0, 2); /* host, unset */
+    assert_null(ctx->engine->c_first);
+
+    /* acquire/evict cycles over more buffers than the budget holds; rounds 0 and 2 wait for
+     * each use (every eviction's collapse is then due at the next call), round 1 runs ahead
+     * of the "kernels" (collapses pending, some cancelled by the next acquire) */
+    atomic_store(&gate, 1);
+    for (int r = 0; r < 3; r++) {
+        spw_stream rs = r == 1 ? s : NULL;
+        s0 = stats_now(ctx);
+        for (int i = 0; i < N; i++) {
+            assert_ok(spw_acquire(b[i], rs, SPW_ACCESS_READ, &d));
+            k[nk] = (kcheck){d, MiB, (uint8_t)(40 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, rs, check_cb, &k[nk++]));
+            assert_ok(spw_release(b[i], rs));
+            if (r != 1) assert_ok(spw_stream_synchronize(ctx, rs));
+            assert_held_ok(ctx);
+        }
+        assert_ok(spw_stream_synchronize(ctx, rs));
+        s1 = stats_now(ctx);
+        assert_false(atomic_load(&bad));
+        assert_int_equal(s1.bytes_d2h.total, 0);
+        assert_int_equal(s1.evictions_dirty.total, 0);
+        assert_true(s1.evictions_clean.total - s0.evictions_clean.total >= 2);
+        if (r != 1)
+            assert_int_equal(s1.managed_collapses.total - s0.managed_collapses.total,
+                             s1.evictions_clean.total - s0.evictions_clean.total);
+        assert_null(ctx->engine->c_first); /* every use done: nothing left pending */
+    }
+    for (int i = 0; i < N; i++) check_contents(b[i], (uint8_t)(40 + i));
+
+    /* acquire again before the collapse ran: cancelled, the replica serves, nothing counted */
+    assert_ok(spw_evict(b[1]));
+    assert_ok(spw_acquire(b[1], s, SPW_ACCESS_READ, &d));
+    atomic_store(&gate, 0);
+    k[nk] = (kcheck){d, MiB, 41, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    assert_ok(spw_release(b[1], s));
+    assert_ok(spw_evict(b[1]));
+    assert_true(b[1]->collapsing && b[1]->replica);
+    s0 = stats_now(ctx);
+    adv0 = spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE);
+    assert_ok(spw_acquire(b[1], s, SPW_ACCESS_READ, &d));
+    assert_true(b[1]->resident && !b[1]->collapsing && b[1]->adv_rm);
+    s1 = stats_now(ctx);
+    assert_int_equal(s1.bytes_h2d.total - s0.bytes_h2d.total, 0);
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE), adv0); /* advice in effect */
+    k[nk] = (kcheck){d, MiB, 41, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    assert_ok(spw_release(b[1], s));
+    atomic_store(&gate, 1);
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_false(atomic_load(&bad));
+    assert_int_equal(stats_now(ctx).managed_collapses.total, s0.managed_collapses.total);
+
+    /* a failed collapse stays pending, data intact, and is retried */
+    assert_ok(spw_evict(b[1]));
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 1, 1);
+    s0 = stats_now(ctx);
+    check_contents(b[1], 41);
+    assert_true(b[1]->collapsing && b[1]->adv_rm);
+    spw__emu_clear_faults(be);
+    s1 = stats_now(ctx);
+    assert_false(b[1]->collapsing || b[1]->adv_rm);
+    assert_int_equal(s1.managed_collapses.total - s0.managed_collapses.total, 1);
+    /* ... also when only the second advice (unset read-mostly) fails */
+    assert_ok(spw_acquire(b[1], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[1], NULL));
+    assert_ok(spw_evict(b[1]));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 2, 0); /* preferred host passes, unset fails */
+    s0 = stats_now(ctx);
+    assert_true(b[1]->collapsing && b[1]->adv_rm && !b[1]->adv_dev);
+    check_contents(b[1], 41); /* retried here */
+    assert_false(b[1]->collapsing || b[1]->adv_rm);
+    assert_int_equal(stats_now(ctx).managed_collapses.total - s0.managed_collapses.total, 1);
+
+    /* destroy with a collapse pending leaves nothing listed */
+    assert_ok(spw_acquire(b[2], s, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[2], s));
+    assert_ok(spw_evict(b[2]));
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 1, 1);
+    assert_ok(spw_stream_synchronize(ctx, s));
+    (void)stats_now(ctx);
+    assert_true(b[2]->collapsing);
+    assert_ok(spw_buf_destroy(b[2]));
+    assert_null(ctx->engine->c_first);
+    spw__emu_clear_faults(be);
+
+    /* read-mostly refused: the read-write way (migration to the host, counted) */
+    assert_ok(spw_evict(b[3]));
+    (void)stats_now(ctx); /* its last use is done: collapsed */
+    assert_false(b[3]->resident || b[3]->adv_rm);
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 1, 1);
+    assert_ok(spw_acquire(b[3], NULL, SPW_ACCESS_READ, &d));
+    spw__emu_clear_faults(be);
+    assert_false(b[3]->adv_rm);
+    assert_ok(spw_release(b[3], NULL));
+    s0 = stats_now(ctx);
+    assert_ok(spw_evict(b[3]));
+    s1 = stats_now(ctx);
+    assert_int_equal(s1.bytes_d2h.total - s0.bytes_d2h.total, (int64_t)MiB);
+    assert_false(b[3]->collapsing);
+    check_contents(b[3], 43);
+
+    /* a host write invalidates the replica: its next prefetch moves (and counts) the bytes */
+    assert_ok(spw_acquire(b[5], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[5], NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    fill_buf(b[5], 77);
+    atomic_store(&gate, 0);
+    assert_ok(spw_acquire(b[5], s, SPW_ACCESS_READ, &d));
+    k[nk] = (kcheck){d, MiB, 77, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    assert_ok(spw_release(b[5], s));
+    assert_ok(spw_evict(b[5]));
+    assert_true(b[5]->collapsing && !b[5]->replica);
+    s0 = stats_now(ctx);
+    assert_ok(spw_acquire(b[5], s, SPW_ACCESS_READ, &d));
+    assert_int_equal(stats_now(ctx).bytes_h2d.total - s0.bytes_h2d.total, (int64_t)MiB);
+    assert_ok(spw_release(b[5], s));
+    atomic_store(&gate, 1);
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_false(atomic_load(&bad));
+    check_contents(b[5], 77);
+    fill_buf(b[5], 45);
+
+    /* context destroy with a collapse pending (its use still running at the eviction) */
+    for (int i = 0; i < N; i++)
+        if (i != 2) check_contents(b[i], (uint8_t)(40 + i));
+    atomic_store(&gate, 0);
+    assert_ok(spw_acquire(b[4], s, SPW_ACCESS_READ, &d));
+    k[nk] = (kcheck){d, MiB, 44, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    assert_ok(spw_release(b[4], s));
+    assert_ok(spw_evict(b[4]));
+    assert_true(b[4]->collapsing);
+    atomic_store(&gate, 1);
+    assert_ok(spw_stream_destroy(ctx, s));
+    assert_false(atomic_load(&bad));
+    spw_ctx_destroy(ctx);
+}
+
 /* Bad input: clear errors, nothing changes. */
 static void test_bad_input(void **state) {
     (void)state;
@@ -486,7 +708,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
-        cmocka_unit_test(test_managed),        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
+        cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_options_stats_trace),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

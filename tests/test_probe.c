@@ -330,6 +330,38 @@ static void cli_json_emu(void **state) {
     free(out);
 }
 
+/* make test-gpu: the real probe's JSON on the GPU, with the acceptance figures of issue 5:
+ * pinned copies within 5% of 55 GB/s each way, both ways within 10% of 99 GB/s, the self-test
+ * chunk flagged and no VRAM chunk flagged. */
+static void cli_json_gpu(void **state) {
+    (void)state;
+    if (test_on_emu()) skip();
+    char *out = NULL;
+    int rc = run_cmd(SPW_CLI " probe --backend cuda --json 2>/dev/null", &out);
+    if (rc != 0) fail_msg("probe --json exited %d:\n%s", rc, out);
+    if (!json_valid(out)) fail_msg("probe --json printed invalid JSON:\n%s", out);
+    static const char *const keys[] = {"\"emulated\":false", "\"backend\":\"cuda\"", "\"ok\":true",
+                                       "\"self_test\":{\"ran\":true,\"passed\":true"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!strstr(out, keys[i])) fail_msg("probe --json lacks %s:\n%s", keys[i], out);
+    assert_null(strstr(out, "\"class\":\"sysmem\",\"validated\":true")); /* no VRAM chunk flagged */
+    static const struct { const char *key; double lo, hi; } paths[] = {
+        {"\"pinned_h2d\":{", 55.0 * 0.95, 55.0 * 1.05},
+        {"\"pinned_d2h\":{", 55.0 * 0.95, 55.0 * 1.05},
+        {"\"both_ways\":{", 99.0 * 0.90, 99.0 * 1.10},
+    };
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        const char *at = strstr(out, paths[i].key);
+        assert_non_null(at);
+        const char *g = strstr(at, "\"gbps\":");
+        assert_non_null(g);
+        double v = strtod(g + 7, NULL);
+        if (v < paths[i].lo || v > paths[i].hi)
+            fail_msg("%s %.1f GB/s outside [%.1f, %.1f]", paths[i].key, v, paths[i].lo, paths[i].hi);
+    }
+    free(out);
+}
+
 static void cli_table_emu(void **state) {
     (void)state;
     char *out = NULL;
@@ -388,6 +420,7 @@ int main(void) {
         cmocka_unit_test(json_checker_rejects_garbage),
         cmocka_unit_test(cli_json_emu),
         cmocka_unit_test(cli_table_emu),
+        cmocka_unit_test(cli_json_gpu),
         cmocka_unit_test(cli_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
