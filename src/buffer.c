@@ -106,7 +106,16 @@ static void managed_charge(spw_ctx *ctx, spw_buf *b, int sign) {
 /* Give the device block back, ordered after every touch: freeing on dev_s (engine.h). */
 static void release_block(spw_ctx *ctx, spw_buf *b) {
     size_t size = spw__block_size(b->dblock);
-    spw__arena_free(b->darena, b->dblock, b->dev_s);
+    /* Hand the block to the H2D copy stream, ordered after the exact last use (the event
+     * recorded at release): the next upload, on that stream, then reuses it at once. Freed on
+     * the last-use stream instead, another stream could only take it after an event recorded
+     * at reuse time, which on a caller running ahead also waits for all the work enqueued
+     * since (the next layer's product): transfers would no longer overlap compute. */
+    struct spw_engine *e = ctx->engine;
+    spw_stream s = b->dev_s;
+    if (e->streams_ok && b->dev_rec && s != e->h2d && OPS(ctx)->stream_wait(BE(ctx), e->h2d, b->ev_dev) == SPW_OK)
+        s = e->h2d;
+    spw__arena_free(b->darena, b->dblock, s);
     spw__stat_add(&ctx->stats.live, -(int64_t)size);
     spw__stat_add(&ctx->stats.cached, (int64_t)size);
     spw__stat_add(&ctx->stats.requested, -(int64_t)b->bytes);
