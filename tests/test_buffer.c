@@ -427,11 +427,12 @@ static void test_managed_read_only(void **state) {
     atomic_store(&gate, 1);
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_ok(spw_step_begin(ctx)); /* the next engine call (any) collapses */
-    assert_false(b[0]->collapsing || b[0]->adv_rm || b[0]->replica);
+    assert_false(b[0]->collapsing || b[0]->replica);
+    assert_true(b[0]->adv_rm); /* set again at once: the next acquire needs no advice */
     assert_ok(spw_step_end(ctx));
     s1 = stats_now(ctx);
     assert_int_equal(s1.managed_collapses.total - s0.managed_collapses.total, 1);
-    assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE) - adv0, 2); /* host, unset */
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE) - adv0, 2); /* unset, set */
     assert_null(ctx->engine->c_first);
 
     /* acquire/evict cycles over more buffers than the budget holds; rounds 0 and 2 wait for
@@ -494,19 +495,22 @@ static void test_managed_read_only(void **state) {
     assert_true(b[1]->collapsing && b[1]->adv_rm);
     spw__emu_clear_faults(be);
     s1 = stats_now(ctx);
-    assert_false(b[1]->collapsing || b[1]->adv_rm);
+    assert_false(b[1]->collapsing);
+    assert_true(b[1]->adv_rm); /* read-mostly set again after the collapse */
     assert_int_equal(s1.managed_collapses.total - s0.managed_collapses.total, 1);
-    /* ... also when only the second advice (unset read-mostly) fails */
+    /* ... and when setting read-mostly again fails: collapsed, plain managed from then on */
     assert_ok(spw_acquire(b[1], NULL, SPW_ACCESS_READ, &d));
     assert_ok(spw_release(b[1], NULL));
     assert_ok(spw_evict(b[1]));
     assert_ok(spw_stream_synchronize(ctx, NULL));
-    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 2, 0); /* preferred host passes, unset fails */
-    s0 = stats_now(ctx);
-    assert_true(b[1]->collapsing && b[1]->adv_rm && !b[1]->adv_dev);
-    check_contents(b[1], 41); /* retried here */
+    assert_true(b[1]->collapsing && b[1]->adv_rm && b[1]->adv_dev);
+    int64_t c0 = ctx->stats.managed_collapses.total; /* read without an engine call */
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 2, 0); /* unset passes, setting again fails */
+    check_contents(b[1], 41); /* an engine call: collapses */
     assert_false(b[1]->collapsing || b[1]->adv_rm);
-    assert_int_equal(stats_now(ctx).managed_collapses.total - s0.managed_collapses.total, 1);
+    assert_true(b[1]->adv_dev); /* the host stays the preferred location */
+    assert_int_equal(stats_now(ctx).managed_collapses.total - c0, 1);
+    spw__emu_clear_faults(be);
 
     /* destroy with a collapse pending leaves nothing listed */
     assert_ok(spw_acquire(b[2], s, SPW_ACCESS_READ, &d));
@@ -521,9 +525,11 @@ static void test_managed_read_only(void **state) {
     spw__emu_clear_faults(be);
 
     /* read-mostly refused: the read-write way (migration to the host, counted) */
+    spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 2, 0); /* the collapse's re-set fails */
     assert_ok(spw_evict(b[3]));
     (void)stats_now(ctx); /* its last use is done: collapsed */
     assert_false(b[3]->resident || b[3]->adv_rm);
+    spw__emu_clear_faults(be);
     spw__emu_inject(be, SPW_CALL_MANAGED_ADVISE, 1, 1);
     assert_ok(spw_acquire(b[3], NULL, SPW_ACCESS_READ, &d));
     spw__emu_clear_faults(be);
