@@ -70,7 +70,8 @@ struct spw_config {
     size_t vmm_page;            /* emu: VMM granularity */
     double frag_slack;
     spw_tristate prefetch;      /* policy=plan: prefetch ahead (auto = on) */
-    int prefetch_early;         /* policy=plan: prefetches allowed ahead of the optimal schedule */
+    int prefetch_early;         /* policy=plan: prefetches allowed ahead of the optimal schedule;
+                                   -1: auto (tuned by measuring steps) */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
     size_t small_limit;         /* requests at most this go to the small-block arena */

@@ -33,6 +33,11 @@
 #define IN_STEP_KEY (1ull << 63)
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
+/* Early depths tried by prefetch_early=auto, one step each; the fastest is kept. (Measured on
+ * the H200, 4 was never faster than 2, and every trial step pays its extra bytes.) */
+#define N_TRIALS 2
+static const int EARLY_TRIALS[N_TRIALS] = {0, 2};
+
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
 #endif
@@ -77,6 +82,12 @@ struct spw_policy {
     bool pf_own;       /* pf_floor is set (else choose_victim computes it for a user hint) */
     bool pf_early;     /* the current prefetch may ignore the floor (an early slot is free) */
     int early;         /* buffers prefetched early and not used or evicted since */
+    /* prefetch_early=auto: the early depth is tuned by timing steps that follow the plan */
+    int early_max;         /* the depth in force */
+    int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
+    uint64_t trial_ns[N_TRIALS];
+    uint64_t step_t0;      /* when the current step began (0: none yet) */
+    bool last_exact;       /* the step that just ended followed its plan to the end */
     uint64_t created_in_step;
 };
 
@@ -174,6 +185,8 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
         return st;
     }
     p->ctx = ctx;
+    p->early_max = ctx->cfg.prefetch_early < 0 ? 0 : ctx->cfg.prefetch_early;
+    p->trial = ctx->cfg.prefetch_early < 0 ? 0 : -1;
     *out = p;
     return SPW_OK;
 }
@@ -213,10 +226,28 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 
 /* ---- steps ---- */
 
+/* prefetch_early=auto: a step that followed its plan to the end times the trial depth, from
+ * its step_begin to the next one (the caller's own wait for the step included); after the last
+ * trial the fastest depth stays. A step that diverged says nothing and is retried. */
+static void tune_early(spw_policy *p, uint64_t now) {
+    if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
+    p->trial_ns[p->trial] = now - p->step_t0;
+    if (++p->trial < N_TRIALS) {
+        p->early_max = EARLY_TRIALS[p->trial];
+        return;
+    }
+    int best = 0;
+    for (int i = 1; i < N_TRIALS; i++)
+        if (p->trial_ns[i] < p->trial_ns[best]) best = i;
+    p->early_max = EARLY_TRIALS[best];
+    p->trial = -1;
+}
+
 static void plan_step_end(spw_policy *p) {
     if (!p->in_step) return;
     p->in_step = false;
     bool exact = p->following && p->cursor == p->nplan && p->nrec == p->nplan;
+    p->last_exact = exact;
     index_free(p);
     if (!p->rec_ok) { /* incomplete recording: forget everything, relearn next step */
         p->nplan = 0;
@@ -247,6 +278,10 @@ static void plan_step_begin(spw_policy *p) {
     p->cursor = 0;
     p->created_in_step = 0;
     p->following = p->nplan > 0 && p->index;
+    uint64_t now = spw__now_ns();
+    tune_early(p, now);
+    p->last_exact = false;
+    p->step_t0 = now;
 }
 
 /* ---- accesses ---- */
@@ -385,7 +420,7 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
             p->pf_floor = floor;
             p->pf_own = true;
             spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
-            if (st == SPW_ERR_OUT_OF_MEMORY && p->early < p->ctx->cfg.prefetch_early) {
+            if (st == SPW_ERR_OUT_OF_MEMORY && p->early < p->early_max) {
                 p->pf_early = true; /* the floor refused: spend an early slot */
                 st = spw__engine_prefetch(ctx, k->buf, 1);
                 p->pf_early = false;
