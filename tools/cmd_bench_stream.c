@@ -721,7 +721,12 @@ static int passes(bench *B, bs_run *r, run_state *S) {
         if (p == 0 && enqueue_copy(B, S, &S->hc[2 * p + 1], S->first_out, S->act[N % 2])) return 1;
         if ((st = spw_step_end(S->ctx))) break;
 #ifdef SPW_HAVE_CUDA
-        if (B->gpu) CK(cudaEventRecord(S->ev[p + 1], (cudaStream_t)S->s));
+        /* The host waits for each pass, as a training loop that reads its loss every step
+         * does: the same for every policy, and what lets policy=plan time its steps. */
+        if (B->gpu) {
+            CK(cudaEventRecord(S->ev[p + 1], (cudaStream_t)S->s));
+            CK(cudaEventSynchronize(S->ev[p + 1]));
+        }
 #endif
         if (!B->gpu) { /* emu: host time of the pass, its work finished */
             if ((st = spw_stream_synchronize(S->ctx, S->s))) break;
