@@ -893,9 +893,11 @@ SPW_API spw_status spw_buf_read(spw_buf *b, size_t off, void *dst, size_t n) {
                         b->acq_writers ? "acquired for writing; release it first" : "being written by another call");
         goto out;
     }
+    if (ctx->engine->pops->on_host_read) ctx->engine->pops->on_host_read(ctx->engine->pol, b);
     if (b->dead) {
-        st = spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were discarded (spw_discard); write "
-                        "them first", fn, (unsigned long long)b->id);
+        st = spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu are dead: discarded by spw_discard, or "
+                        "dropped by policy=plan because every learned step overwrote them before reading "
+                        "them; write them first", fn, (unsigned long long)b->id);
         goto out;
     }
     /* dirty: copy back (the device copy stays, now clean) */

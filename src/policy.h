@@ -56,6 +56,9 @@ typedef struct spw_policy_ops {
     void (*on_release)(spw_policy *p, spw_buf *b, spw_stream s, unsigned count);
     void (*on_resident)(spw_policy *p, spw_buf *b);
     void (*on_evicted)(spw_policy *p, spw_buf *b);
+    /* spw_buf_read of b (its contents are needed on the host): an access, for a policy that
+     * learns the order of accesses. */
+    void (*on_host_read)(spw_policy *p, spw_buf *b);
     void (*step_begin)(spw_policy *p);
     void (*step_end)(spw_policy *p);
 

@@ -328,6 +328,25 @@ static void plan_on_acquire(spw_policy *p, spw_buf *b, spw_access mode, spw_stre
     }
 }
 
+/* A host read is an access like an acquisition (READ): recorded and checked against the plan,
+ * so that data the host reads between steps is never taken for dead. */
+static void plan_on_host_read(spw_policy *p, spw_buf *b) {
+    kbuf *k = kb_of(b);
+    if (!p->in_step) return;
+    uint64_t key = k ? k->key : FAR;
+    size_t bytes = spw__pol_bytes(b);
+    record(p, key, SPW_ACCESS_READ, bytes);
+    if (!p->following) return;
+    const plan_entry *e = p->cursor < p->nplan ? &p->plan[p->cursor] : NULL;
+    if (k && e && e->key == key && e->mode == SPW_ACCESS_READ && e->bytes == bytes) {
+        p->cursor++;
+        spw__stat_event(&p->ctx->stats.plan_hits);
+    } else {
+        p->following = false;
+        spw__stat_event(&p->ctx->stats.plan_divergences);
+    }
+}
+
 static void plan_on_release(spw_policy *p, spw_buf *b, spw_stream s, unsigned count) {
     spw__policy_lru.on_release(p->lru, b, s, count);
 }
@@ -354,7 +373,18 @@ static uint64_t distance(const spw_policy *p, spw_buf *b, spw_access *mode) {
     return k ? next_use(p, k->key, mode) : FAR;
 }
 
+/* A demand load of a buffer that is not the plan's next entry: the program left the plan. Seen
+ * here, before room is made, so no eviction is decided by a plan already proven wrong. */
+static void check_incoming(spw_policy *p, spw_buf *incoming) {
+    if (!predicting(p) || !incoming || p->cursor >= p->nplan) return;
+    kbuf *k = kb_of(incoming);
+    if (k && k->key == p->plan[p->cursor].key) return;
+    p->following = false;
+    spw__stat_event(&p->ctx->stats.plan_divergences);
+}
+
 static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
+    if (!for_prefetch) check_incoming(p, incoming);
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
     spw_buf *best = NULL, *free_best = NULL;
     uint64_t best_d = 0, free_d = 0;
@@ -451,6 +481,7 @@ const spw_policy_ops spw__policy_plan = {
     .on_release = plan_on_release,
     .on_resident = plan_on_resident,
     .on_evicted = plan_on_evicted,
+    .on_host_read = plan_on_host_read,
     .step_begin = plan_step_begin,
     .step_end = plan_step_end,
     .choose_victim = plan_choose_victim,
