@@ -301,50 +301,41 @@ static void record(spw_policy *p, uint64_t key, spw_access mode, size_t bytes) {
     p->rec[p->nrec++] = (plan_entry){key, bytes, mode};
 }
 
-static void plan_on_acquire(spw_policy *p, spw_buf *b, spw_access mode, spw_stream s, unsigned count) {
-    spw__policy_lru.on_acquire(p->lru, b, mode, s, count);
-    kbuf *k = kb_of(b);
-    spw_stats *st = &p->ctx->stats;
-    if (k && k->prefetched) {
-        k->prefetched = false;
-        spw__stat_add(&st->plan_prefetch_used, (int64_t)spw__pol_bytes(b));
-    }
-    if (k && k->early) {
-        k->early = false;
-        p->early--;
-    }
+/* One access of the step (an acquisition, or a host read as READ): recorded, and checked
+ * against the plan's next entry. */
+static void note_access(spw_policy *p, kbuf *k, spw_access mode, size_t bytes) {
     if (!p->in_step) return;
     uint64_t key = k ? k->key : FAR;
-    size_t bytes = spw__pol_bytes(b);
     record(p, key, mode, bytes);
     if (!p->following) return;
     const plan_entry *e = p->cursor < p->nplan ? &p->plan[p->cursor] : NULL;
     if (k && e && e->key == key && e->mode == mode && e->bytes == bytes) {
-        p->cursor++;
-        spw__stat_event(&st->plan_hits);
-    } else {
-        p->following = false;
-        spw__stat_event(&st->plan_divergences);
-    }
-}
-
-/* A host read is an access like an acquisition (READ): recorded and checked against the plan,
- * so that data the host reads between steps is never taken for dead. */
-static void plan_on_host_read(spw_policy *p, spw_buf *b) {
-    kbuf *k = kb_of(b);
-    if (!p->in_step) return;
-    uint64_t key = k ? k->key : FAR;
-    size_t bytes = spw__pol_bytes(b);
-    record(p, key, SPW_ACCESS_READ, bytes);
-    if (!p->following) return;
-    const plan_entry *e = p->cursor < p->nplan ? &p->plan[p->cursor] : NULL;
-    if (k && e && e->key == key && e->mode == SPW_ACCESS_READ && e->bytes == bytes) {
         p->cursor++;
         spw__stat_event(&p->ctx->stats.plan_hits);
     } else {
         p->following = false;
         spw__stat_event(&p->ctx->stats.plan_divergences);
     }
+}
+
+static void plan_on_acquire(spw_policy *p, spw_buf *b, spw_access mode, spw_stream s, unsigned count) {
+    spw__policy_lru.on_acquire(p->lru, b, mode, s, count);
+    kbuf *k = kb_of(b);
+    if (k && k->prefetched) {
+        k->prefetched = false;
+        spw__stat_add(&p->ctx->stats.plan_prefetch_used, (int64_t)spw__pol_bytes(b));
+    }
+    if (k && k->early) {
+        k->early = false;
+        p->early--;
+    }
+    note_access(p, k, mode, spw__pol_bytes(b));
+}
+
+/* A host read is an access like an acquisition (READ): so that data the host reads between
+ * steps is never taken for dead. */
+static void plan_on_host_read(spw_policy *p, spw_buf *b) {
+    note_access(p, kb_of(b), SPW_ACCESS_READ, spw__pol_bytes(b));
 }
 
 static void plan_on_release(spw_policy *p, spw_buf *b, spw_stream s, unsigned count) {

@@ -160,28 +160,6 @@ static void link_and_budget_arithmetic(void **state) {
 
 /* ---- the CLI ---- */
 
-/* Run a shell command, capture stdout (and stderr when the command redirects it); returns the
- * exit status, -1 if it did not exit normally. *out is malloc'd. */
-static int run_cmd(const char *cmd, char **out) {
-    FILE *p = popen(cmd, "r");
-    assert_non_null(p);
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    assert_non_null(buf);
-    size_t n;
-    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-        len += n;
-        if (cap - len < 4096) {
-            cap *= 2;
-            buf = realloc(buf, cap);
-            assert_non_null(buf);
-        }
-    }
-    buf[len] = '\0';
-    int st = pclose(p);
-    *out = buf;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 /* A strict JSON syntax check (RFC 8259 values, no trailing garbage). */
 typedef struct jp {
@@ -299,7 +277,7 @@ static void json_checker_rejects_garbage(void **state) {
 static void cli_json_emu(void **state) {
     (void)state;
     char *out = NULL;
-    int rc = run_cmd(SPW_CLI " probe --backend emu --quick --json", &out);
+    int rc = test_run_cmd(SPW_CLI " probe --backend emu --quick --json", &out);
     if (rc != 0) fail_msg("probe --json exited %d:\n%s", rc, out);
     if (!json_valid(out)) fail_msg("probe --json printed invalid JSON:\n%s", out);
     static const char *const keys[] = {
@@ -363,7 +341,7 @@ static void cli_json_gpu(void **state) {
     char why[2][160] = {"", ""};
     for (int attempt = 0; attempt < 2; attempt++) {
         char *out = NULL;
-        int rc = run_cmd(SPW_CLI " probe --backend cuda --json 2>/dev/null", &out);
+        int rc = test_run_cmd(SPW_CLI " probe --backend cuda --json 2>/dev/null", &out);
         if (rc != 0) fail_msg("probe --json exited %d:\n%s", rc, out);
         if (!json_valid(out)) fail_msg("probe --json printed invalid JSON:\n%s", out);
         static const char *const keys[] = {"\"emulated\":false", "\"backend\":\"cuda\"", "\"ok\":true",
@@ -382,7 +360,7 @@ static void cli_json_gpu(void **state) {
 static void cli_table_emu(void **state) {
     (void)state;
     char *out = NULL;
-    int rc = run_cmd(SPW_CLI " probe --backend emu --quick 2>/dev/null", &out);
+    int rc = test_run_cmd(SPW_CLI " probe --backend emu --quick 2>/dev/null", &out);
     if (rc != 0) fail_msg("probe exited %d:\n%s", rc, out);
     static const char *const want[] = {"EMULATED", "emu backend", "Device", "Transfers (", "pinned host -> device",
                                        "both ways, 2 streams", "Allocation latency", "Fallback scan", "self-test",
@@ -414,14 +392,14 @@ static void cli_bad_arguments(void **state) {
         char cmd[256];
         snprintf(cmd, sizeof cmd, SPW_CLI " probe %s 2>&1 >/dev/null", cases[i].args);
         char *out = NULL;
-        int rc = run_cmd(cmd, &out);
+        int rc = test_run_cmd(cmd, &out);
         if (rc != 2) fail_msg("'probe %s' exited %d, want 2:\n%s", cases[i].args, rc, out);
         if (!strstr(out, cases[i].msg)) fail_msg("'probe %s' said:\n%s\nwant it to mention '%s'", cases[i].args, out, cases[i].msg);
         free(out);
     }
     /* --help is not an error */
     char *out = NULL;
-    assert_int_equal(run_cmd(SPW_CLI " probe --help", &out), 0);
+    assert_int_equal(test_run_cmd(SPW_CLI " probe --help", &out), 0);
     assert_non_null(strstr(out, "--max-mem"));
     free(out);
 }

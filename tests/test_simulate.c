@@ -43,24 +43,7 @@ static int teardown(void **state) {
 static int run_cli(const char *args, char **out) {
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", SPW_CLI, args);
-    FILE *p = popen(cmd, "r");
-    assert_non_null(p);
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    assert_non_null(buf);
-    size_t n;
-    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-        len += n;
-        if (len + 1 == cap) {
-            buf = realloc(buf, cap *= 2);
-            assert_non_null(buf);
-        }
-    }
-    buf[len] = '\0';
-    int status = pclose(p);
-    if (out) *out = buf;
-    else free(buf);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return test_run_cmd(cmd, out);
 }
 
 /* Number of elements of the JSON array after "key": (no nesting in these arrays). */

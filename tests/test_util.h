@@ -31,6 +31,10 @@ int test_on_emu(void);
     } while (0)
 #define assert_ok(expr) assert_status(expr, SPW_OK)
 
+/* Run a shell command; returns its exit status (-1 if it did not exit normally). *out (when
+ * out is not NULL) receives its stdout, malloc'd; stderr is captured only if cmd redirects it. */
+int test_run_cmd(const char *cmd, char **out);
+
 /* xorshift PRNG, deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
     uint64_t x = *s;

@@ -114,21 +114,6 @@ static void usage(FILE *f) {
             "Options from SPILLWAY_CONF are applied first; flags override them.\n");
 }
 
-static const char *flag_value(int argc, char **argv, int *i, const char *flag) {
-    size_t n = strlen(flag);
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (*i + 1 >= argc) {
-        fprintf(stderr, "spillway bench stream: %s needs a value\n", flag);
-        return NULL;
-    }
-    return argv[++*i];
-}
-
-static bool is_flag(const char *arg, const char *flag) {
-    size_t n = strlen(flag);
-    return !strncmp(arg, flag, n) && (arg[n] == '\0' || arg[n] == '=');
-}
-
 static bool parse_long(const char *flag, const char *v, long lo, long hi, long *out) {
     char *end;
     long x = strtol(v ? v : "", &end, 10);
@@ -170,41 +155,41 @@ static int parse_args(int argc, char **argv, bs_opts *o) {
             o->json = true;
         } else if (!strcmp(a, "--summary")) {
             o->summary = true;
-        } else if (is_flag(a, "--layers")) {
-            if (!parse_long("--layers", flag_value(argc, argv, &i, "--layers"), 1, 100000, &o->layers)) return 2;
-        } else if (is_flag(a, "--batch")) {
-            if (!parse_long("--batch", flag_value(argc, argv, &i, "--batch"), 1, 1 << 20, &o->batch)) return 2;
-        } else if (is_flag(a, "--passes")) {
-            if (!parse_long("--passes", flag_value(argc, argv, &i, "--passes"), 1, 100000, &o->passes)) return 2;
-        } else if (is_flag(a, "--prefetch")) {
-            if (!parse_long("--prefetch", flag_value(argc, argv, &i, "--prefetch"), 0, 1024, &o->prefetch)) return 2;
-        } else if (is_flag(a, "--seed")) {
+        } else if (spw_cli_is_flag(a, "--layers")) {
+            if (!parse_long("--layers", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--layers"), 1, 100000, &o->layers)) return 2;
+        } else if (spw_cli_is_flag(a, "--batch")) {
+            if (!parse_long("--batch", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--batch"), 1, 1 << 20, &o->batch)) return 2;
+        } else if (spw_cli_is_flag(a, "--passes")) {
+            if (!parse_long("--passes", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--passes"), 1, 100000, &o->passes)) return 2;
+        } else if (spw_cli_is_flag(a, "--prefetch")) {
+            if (!parse_long("--prefetch", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--prefetch"), 0, 1024, &o->prefetch)) return 2;
+        } else if (spw_cli_is_flag(a, "--seed")) {
             long s;
-            if (!parse_long("--seed", flag_value(argc, argv, &i, "--seed"), 0, 0x7fffffffL, &s)) return 2;
+            if (!parse_long("--seed", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--seed"), 0, 0x7fffffffL, &s)) return 2;
             o->seed = (unsigned long long)s;
-        } else if (is_flag(a, "--layer-mib")) {
-            if (!(v = flag_value(argc, argv, &i, "--layer-mib"))) return 2;
+        } else if (spw_cli_is_flag(a, "--layer-mib")) {
+            if (!(v = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--layer-mib"))) return 2;
             char *end;
             o->layer_mib = strtod(v, &end);
             if (!*v || *end || !(o->layer_mib >= 0.001 && o->layer_mib <= 65536)) {
                 fprintf(stderr, "spillway bench stream: bad --layer-mib '%s' (0.001..65536)\n", v);
                 return 2;
             }
-        } else if (is_flag(a, "--budget")) {
-            if (!(o->budget = flag_value(argc, argv, &i, "--budget"))) return 2;
-        } else if (is_flag(a, "--residency")) {
-            if (!(o->residency = flag_value(argc, argv, &i, "--residency"))) return 2;
+        } else if (spw_cli_is_flag(a, "--budget")) {
+            if (!(o->budget = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--budget"))) return 2;
+        } else if (spw_cli_is_flag(a, "--residency")) {
+            if (!(o->residency = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--residency"))) return 2;
             if (strcmp(o->residency, "explicit") && strcmp(o->residency, "managed")) {
                 fprintf(stderr, "spillway bench stream: bad --residency '%s' (explicit or managed)\n",
                         o->residency);
                 return 2;
             }
-        } else if (is_flag(a, "--policy")) {
-            if (!(v = flag_value(argc, argv, &i, "--policy")) || !split_policies(o, (char *)v)) return 2;
-        } else if (is_flag(a, "--trace")) {
-            if (!(o->trace = flag_value(argc, argv, &i, "--trace"))) return 2;
-        } else if (is_flag(a, "--backend")) {
-            if (!(o->backend = flag_value(argc, argv, &i, "--backend"))) return 2;
+        } else if (spw_cli_is_flag(a, "--policy")) {
+            if (!(v = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--policy")) || !split_policies(o, (char *)v)) return 2;
+        } else if (spw_cli_is_flag(a, "--trace")) {
+            if (!(o->trace = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--trace"))) return 2;
+        } else if (spw_cli_is_flag(a, "--backend")) {
+            if (!(o->backend = spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--backend"))) return 2;
             if (strcmp(o->backend, "auto") && strcmp(o->backend, "cuda") && strcmp(o->backend, "emu")) {
                 fprintf(stderr, "spillway bench stream: bad --backend '%s' (auto, cuda or emu)\n", o->backend);
                 return 2;

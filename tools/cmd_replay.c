@@ -58,22 +58,6 @@ static void usage(FILE *f) {
             "Options from SPILLWAY_CONF are applied first; flags override them.\n");
 }
 
-/* Value of a flag given as "--flag VALUE" or "--flag=VALUE"; NULL (and a message) if missing. */
-static const char *flag_value(int argc, char **argv, int *i, const char *flag) {
-    size_t n = strlen(flag);
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (*i + 1 >= argc) {
-        fprintf(stderr, "spillway replay: %s needs a value\n", flag);
-        return NULL;
-    }
-    return argv[++*i];
-}
-
-static bool is_flag(const char *arg, const char *flag) {
-    size_t n = strlen(flag);
-    return !strncmp(arg, flag, n) && (arg[n] == '\0' || arg[n] == '=');
-}
-
 /* Returns -1 to go on, else the exit status (0 after --help, 2 for bad usage). */
 static int parse_args(int argc, char **argv, replay_opts *o) {
     for (int i = 1; i < argc; i++) {
@@ -85,10 +69,10 @@ static int parse_args(int argc, char **argv, replay_opts *o) {
             o->json = true;
         } else if (!strcmp(a, "--summary")) {
             o->summary = true;
-        } else if (is_flag(a, "--backend")) {
-            if (!(o->backend = flag_value(argc, argv, &i, "--backend"))) return 2;
-        } else if (is_flag(a, "--budget")) {
-            if (!(o->budget = flag_value(argc, argv, &i, "--budget"))) return 2;
+        } else if (spw_cli_is_flag(a, "--backend")) {
+            if (!(o->backend = spw_cli_flag_value("spillway replay", argc, argv, &i, "--backend"))) return 2;
+        } else if (spw_cli_is_flag(a, "--budget")) {
+            if (!(o->budget = spw_cli_flag_value("spillway replay", argc, argv, &i, "--budget"))) return 2;
             size_t bytes, len = strlen(o->budget);
             spw_status st = len && o->budget[len - 1] == '%' ? SPW_OK
                                                              : spw_parse_size(o->budget, &bytes);

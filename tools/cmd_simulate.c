@@ -78,21 +78,6 @@ static void usage(FILE *f) {
             "Options from SPILLWAY_CONF are applied first; the backend is always emu.\n");
 }
 
-static const char *flag_value(int argc, char **argv, int *i, const char *flag) {
-    size_t n = strlen(flag);
-    if (argv[*i][n] == '=') return argv[*i] + n + 1;
-    if (*i + 1 >= argc) {
-        fprintf(stderr, "spillway simulate: %s needs a value\n", flag);
-        return NULL;
-    }
-    return argv[++*i];
-}
-
-static bool is_flag(const char *arg, const char *flag) {
-    size_t n = strlen(flag);
-    return !strncmp(arg, flag, n) && (arg[n] == '\0' || arg[n] == '=');
-}
-
 /* Returns -1 to go on, else the exit status (0 after --help, 2 for bad usage). */
 static int parse_args(int argc, char **argv, sim_opts *o) {
     o->scale = 1;
@@ -109,16 +94,16 @@ static int parse_args(int argc, char **argv, sim_opts *o) {
             o->model_only = o->compare = true;
         } else if (!strcmp(a, "--summary")) {
             o->summary = true;
-        } else if (is_flag(a, "--budget")) {
-            if (!(o->budget = flag_value(argc, argv, &i, "--budget"))) return 2;
-        } else if (is_flag(a, "--policy")) {
-            if (!(o->policy = flag_value(argc, argv, &i, "--policy"))) return 2;
+        } else if (spw_cli_is_flag(a, "--budget")) {
+            if (!(o->budget = spw_cli_flag_value("spillway simulate", argc, argv, &i, "--budget"))) return 2;
+        } else if (spw_cli_is_flag(a, "--policy")) {
+            if (!(o->policy = spw_cli_flag_value("spillway simulate", argc, argv, &i, "--policy"))) return 2;
             if (strcmp(o->policy, "lru") && strcmp(o->policy, "plan")) {
                 fprintf(stderr, "spillway simulate: bad --policy '%s' (lru or plan)\n", o->policy);
                 return 2;
             }
-        } else if (is_flag(a, "--scale")) {
-            const char *v = flag_value(argc, argv, &i, "--scale");
+        } else if (spw_cli_is_flag(a, "--scale")) {
+            const char *v = spw_cli_flag_value("spillway simulate", argc, argv, &i, "--scale");
             if (!v) return 2;
             if (!strncmp(v, "1/", 2)) v += 2; /* "1/64" reads as 64 */
             char *end;

@@ -24,6 +24,21 @@ static void usage(FILE *f) {
                "from SPILLWAY_CONF (key=value,...); 'spillway --help-options' lists them.\n");
 }
 
+const char *spw_cli_flag_value(const char *cmd, int argc, char **argv, int *i, const char *flag) {
+    size_t n = strlen(flag);
+    if (argv[*i][n] == '=') return argv[*i] + n + 1;
+    if (*i + 1 >= argc) {
+        fprintf(stderr, "%s: %s needs a value\n", cmd, flag);
+        return NULL;
+    }
+    return argv[++*i];
+}
+
+bool spw_cli_is_flag(const char *arg, const char *flag) {
+    size_t n = strlen(flag);
+    return !strncmp(arg, flag, n) && (arg[n] == '\0' || arg[n] == '=');
+}
+
 void spw_cli_fail(const char *what, spw_status st) {
     const char *msg = spw_last_error();
     fprintf(stderr, "spillway: %s: %s%s%s\n", what, spw_status_str(st), msg[0] ? ": " : "", msg);
