@@ -240,6 +240,7 @@ static spw_status evict_buf(spw_ctx *ctx, spw_buf *b, bool user) {
     } else if (spw__pol_dirty(b)) {
         if (!user && e->pops->need_writeback && !e->pops->need_writeback(e->pol, b)) {
             b->dead = true; /* the policy vouches that nobody reads these contents */
+            b->policy_dead = true;
         } else {
             if ((st = spw__copy_writeback(ctx, b))) return st;
             wrote = true;
@@ -684,6 +685,14 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
         return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is being written by spw_buf_write", fn,
                           (unsigned long long)b->id);
     }
+    if (b->policy_dead && (mode & SPW_ACCESS_READ)) {
+        /* loud, never stale data: the program left the pattern the drop was based on */
+        leave(b);
+        return spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were dropped by policy=plan, "
+                          "which learned that each step overwrites it (SPW_ACCESS_WRITE) before reading it; "
+                          "this step reads it first. Write it first, or use policy=lru", fn,
+                          (unsigned long long)b->id);
+    }
     bool fresh = false;
     if (!b->resident) {
         bool upload = (mode & SPW_ACCESS_READ) && !b->dead;
@@ -721,6 +730,7 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     if (mode & SPW_ACCESS_WRITE) {
         b->acq_writers++;
         b->dead = false;
+        b->policy_dead = false;
         b->dv = true;
         if (!b->managed) b->hv = false;
     }
@@ -808,6 +818,7 @@ SPW_API spw_status spw_discard(spw_buf *b) {
     }
     /* the device block (if any) stays for a later WRITE acquire; eviction just drops it */
     b->dead = true;
+    b->policy_dead = false; /* the caller's own word: a READ then sees unspecified contents */
     b->hv = false;
     b->dv = false;
     leave(b);
@@ -870,6 +881,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     if (st) goto out;
     b->hv = true;
     b->dead = false;
+    b->policy_dead = false;
     b->replica = false; /* the host write invalidated any read-mostly replica's pages */
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */

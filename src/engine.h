@@ -67,6 +67,7 @@ struct spw_buf {
     /* contents: hv = host copy valid (once ev_host completes), dv = device copy valid,
      * dead = nobody needs the contents. Invariant 2: dead || hv || dv. */
     bool hv, dv, dead;
+    bool policy_dead; /* dead because the policy dropped dirty contents it predicted overwritten */
     bool prefetched;      /* made resident by a prefetch and not acquired since */
     bool xfer;            /* dev_s is a copy stream whose transfer may not be complete */
     unsigned acq;         /* acquire count */

@@ -142,6 +142,41 @@ static void dead_data_not_written_back(void **state) {
     }
 }
 
+/* A program that leaves the pattern a drop was based on gets an error, never stale data. */
+static void read_after_drop_is_an_error(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    /* room for two: each step is A(write) B C A(read) B C; at the second B, A (next access: the
+     * overwrite, a step away) is the farthest and free to drop */
+    spw_ctx *ctx = test_ctx("budget=5MiB,policy=plan,grow_ahead=0,prefetch=off");
+    spw_buf *b[3];
+    assert_ok(spw_buf_create(ctx, SZ, 0, &b[0]));
+    for (int i = 1; i < 3; i++) assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
+    void *d;
+    for (int s = 0; s < 3; s++) {
+        assert_ok(spw_step_begin(ctx));
+        touch(ctx, b[0], SPW_ACCESS_WRITE);
+        touch(ctx, b[1], SPW_ACCESS_READ);
+        touch(ctx, b[2], SPW_ACCESS_READ);
+        touch(ctx, b[0], SPW_ACCESS_READ);
+        touch(ctx, b[1], SPW_ACCESS_READ);
+        touch(ctx, b[2], SPW_ACCESS_READ);
+    }
+    assert_ok(spw_step_end(ctx));
+    assert_false(b[0]->resident);
+    assert_true(b[0]->policy_dead);
+    assert_int_equal(stats(ctx).plan_divergences.total, 0);
+    /* this step reads A before writing it: an error naming the cause, never stale contents */
+    assert_ok(spw_step_begin(ctx));
+    assert_status(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d), SPW_ERR_STATE);
+    if (!strstr(spw_last_error(), "dropped by policy=plan")) fail_msg("message: %s", spw_last_error());
+    touch(ctx, b[0], SPW_ACCESS_WRITE); /* writing it makes it live again */
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[0], NULL));
+    assert_ok(spw_step_end(ctx));
+    spw_ctx_destroy(ctx);
+}
+
 /* Another order: counted as a divergence, no error, LRU for the rest of that step, and the new
  * order is learned for the next step. */
 static void divergence_and_relearning(void **state) {
@@ -262,6 +297,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(exact_victims),
         cmocka_unit_test(dead_data_not_written_back),
+        cmocka_unit_test(read_after_drop_is_an_error),
         cmocka_unit_test(divergence_and_relearning),
         cmocka_unit_test(buffers_created_inside_a_step),
         cmocka_unit_test(no_data_loss_under_faults),
