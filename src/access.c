@@ -46,17 +46,8 @@ typedef struct access_loader {
     size_t cap_seen;
 } access_loader;
 
-static spw_status aparse_error(const access_loader *L, const char *fmt, ...) SPW_PRINTF(2, 3);
-
 /* SPW_ERR_PARSE with "PATH: line N: <what>". */
-static spw_status aparse_error(const access_loader *L, const char *fmt, ...) {
-    char what[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
-    va_end(ap);
-    return spw__error(SPW_ERR_PARSE, "%s: line %zu: %s", L->path, L->line, what);
-}
+#define aparse_error(L, ...) spw__parse_error((L)->path, (L)->line, __VA_ARGS__)
 
 static spw_status no_memory(const access_loader *L, const char *what) {
     return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "%s: line %zu: out of host memory for %s",

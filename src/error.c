@@ -61,6 +61,15 @@ spw_status spw__error_prefix(spw_status status, const char *fmt, ...) {
     return status;
 }
 
+spw_status spw__parse_error(const char *path, size_t line, const char *fmt, ...) {
+    char what[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return spw__error(SPW_ERR_PARSE, "%s: line %zu: %s", path, line, what);
+}
+
 void spw__error_clear(void) { tls_msg[0] = '\0'; }
 
 const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes) {

@@ -42,6 +42,8 @@ spw_status spw__verror(spw_status status, const char *fmt, va_list ap);
 /* Prefix the current thread's message with "what: " (keeps the status). */
 spw_status spw__error_prefix(spw_status status, const char *fmt, ...) SPW_PRINTF(2, 3);
 void spw__error_clear(void);
+/* SPW_ERR_PARSE with "PATH: line N: <what>" (trace and configuration file loaders). */
+spw_status spw__parse_error(const char *path, size_t line, const char *fmt, ...) SPW_PRINTF(3, 4);
 /* Format bytes as "1.50 GiB (1610612736 B)" into buf. */
 const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes);
 

@@ -68,17 +68,8 @@ static void loader_release(trace_loader *L) {
     L->count = L->cap = 0;
 }
 
-static spw_status parse_error(const trace_loader *L, const char *fmt, ...) SPW_PRINTF(2, 3);
-
 /* SPW_ERR_PARSE with "PATH: line N: <what>". */
-static spw_status parse_error(const trace_loader *L, const char *fmt, ...) {
-    char what[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
-    va_end(ap);
-    return spw__error(SPW_ERR_PARSE, "%s: line %zu: %s", L->path, L->line, what);
-}
+#define parse_error(L, ...) spw__parse_error((L)->path, (L)->line, __VA_ARGS__)
 
 static inline bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }
 
