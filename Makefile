@@ -43,7 +43,7 @@ test-gpu: build
 	cd $(BUILD) && SPW_TEST_BACKEND=cuda ctest --output-on-failure -j 1
 
 demo: build
-	./$(BUILD)/spillway bench stream --summary
+	./$(BUILD)/spillway bench stream --policy lru,plan --summary
 	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz
 
 install: build
