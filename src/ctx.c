@@ -5,6 +5,11 @@
  */
 #include <stdlib.h>
 #include <string.h>
+
+/* uthash must never exit: a failed table allocation only sets this flag (checked after adds) */
+static _Thread_local int hash_oom;
+#define HASH_NONFATAL_OOM 1
+#define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
 #include "internal.h"
@@ -213,7 +218,18 @@ SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, voi
     e->block = b;
     e->arena = a;
     e->requested = bytes;
+    hash_oom = 0;
     HASH_ADD_PTR(ctx->live_map, ptr, e);
+    if (SPW_UNLIKELY(hash_oom)) {
+        /* not in the map (first table) or in it without the table grown: either way, undo */
+        spw_live *in = NULL;
+        HASH_FIND_PTR(ctx->live_map, &e->ptr, in);
+        if (in) HASH_DEL(ctx->live_map, e);
+        spw__arena_free(a, b, stream);
+        live_put(ctx, e);
+        pthread_mutex_unlock(&ctx->lock);
+        return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_malloc: out of host memory for the pointer map");
+    }
     spw__stat_add(&ctx->stats.live, (int64_t)size);
     spw__stat_add(&ctx->stats.cached, -(int64_t)size);
     spw__stat_add(&ctx->stats.requested, (int64_t)bytes);

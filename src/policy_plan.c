@@ -26,6 +26,10 @@
  */
 #include <stdlib.h>
 #include <string.h>
+/* uthash must never exit: a failed table allocation only sets this flag (checked after adds) */
+static _Thread_local int hash_oom;
+#define HASH_NONFATAL_OOM 1
+#define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
 #include "policy.h"
@@ -113,7 +117,14 @@ static bool index_build(spw_policy *p) {
             e = calloc(1, sizeof *e);
             if (!e) goto fail;
             e->key = p->plan[i].key;
+            hash_oom = 0;
             HASH_ADD(hh, p->index, key, sizeof(uint64_t), e);
+            if (hash_oom) {
+                kpos *in = NULL;
+                HASH_FIND(hh, p->index, &e->key, sizeof(uint64_t), in);
+                if (!in) free(e);
+                goto fail;
+            }
         }
         if (e->n == e->cap) {
             uint32_t cap = e->cap ? 2 * e->cap : 4;
@@ -207,8 +218,16 @@ static void plan_on_create(spw_policy *p, spw_buf *b) {
     k->buf = b;
     k->key = p->in_step ? (IN_STEP_KEY | p->created_in_step++) : spw__pol_id(b);
     kbuf *old = NULL;
+    hash_oom = 0;
     HASH_REPLACE(hh, p->by_key, key, sizeof(uint64_t), k, old);
     (void)old; /* an older live buffer with that key is simply no longer found by key */
+    if (hash_oom) {
+        kbuf *in = NULL;
+        HASH_FIND(hh, p->by_key, &k->key, sizeof(uint64_t), in);
+        if (in == k) HASH_DEL(p->by_key, k);
+        free(k); /* unknown to the plan: evicted first, never prefetched */
+        return;
+    }
     spw__pol_node(b)->data = k;
 }
 
