@@ -1,5 +1,6 @@
 /*
- * The offload engine: movable buffers, their state machine, residency and eviction.
+ * The offload engine: movable buffers, their state machine and the public buffer API.
+ * Residency (device copies under pressure, eviction, read-mostly replicas) is residency.c.
  *
  * States of a live buffer (fields in engine.h):
  *   host       !resident, hv              contents only in host memory
@@ -44,8 +45,6 @@ static spw_status bad_handle(const spw_buf *b, const char *fn, uint32_t m) {
                       (const void *)b, (unsigned)m);
 }
 
-static void collapse_poll(spw_ctx *ctx);
-
 /* On SPW_OK the context lock is held (and due replica collapses are done). */
 static spw_status enter(spw_buf *b, const char *fn) {
     if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
@@ -57,7 +56,7 @@ static spw_status enter(spw_buf *b, const char *fn) {
         pthread_mutex_unlock(&b->ctx->lock);
         return bad_handle(b, fn, m);
     }
-    collapse_poll(b->ctx);
+    spw__res_collapse_poll(b->ctx);
     return SPW_OK;
 }
 
@@ -83,293 +82,7 @@ uint64_t spw__pol_step(const spw_ctx *ctx) { return ctx->engine ? ctx->engine->s
 spw_buf *spw__pol_first(spw_ctx *ctx) { return ctx->engine ? ctx->engine->first : NULL; }
 spw_buf *spw__pol_next(spw_buf *b) { return b->next; }
 
-/* ---- residency bookkeeping ---- */
-
-static void set_resident(spw_ctx *ctx, spw_buf *b, bool on) {
-    if (b->resident == on) return;
-    b->resident = on;
-    spw__stat_add(&ctx->stats.buffers_resident, on ? 1 : -1);
-    spw__stat_add(&ctx->stats.buffers_host, on ? -1 : 1);
-    if (on) {
-        if (ctx->engine->pops->on_resident) ctx->engine->pops->on_resident(ctx->engine->pol, b);
-    } else {
-        if (ctx->engine->pops->on_evicted) ctx->engine->pops->on_evicted(ctx->engine->pol, b);
-    }
-}
-
-/* Charge or refund a managed buffer's bytes as held and live device memory. */
-static void managed_charge(spw_ctx *ctx, spw_buf *b, int sign) {
-    spw__stat_add(&ctx->stats.held, sign * (int64_t)b->bytes);
-    spw__stat_add(&ctx->stats.live, sign * (int64_t)b->bytes);
-}
-
-/* Give the device block back, ordered after every touch: freeing on dev_s (engine.h). */
-static void release_block(spw_ctx *ctx, spw_buf *b) {
-    size_t size = spw__block_size(b->dblock);
-    /* Hand the block to the H2D copy stream, ordered after the exact last use (the event
-     * recorded at release): the next upload, on that stream, then reuses it at once. Freed on
-     * the last-use stream instead, another stream could only take it after an event recorded
-     * at reuse time, which on a caller running ahead also waits for all the work enqueued
-     * since (the next layer's product): transfers would no longer overlap compute. */
-    struct spw_engine *e = ctx->engine;
-    spw_stream s = b->dev_s;
-    if (e->streams_ok && b->dev_rec && s != e->h2d && OPS(ctx)->stream_wait(BE(ctx), e->h2d, b->ev_dev) == SPW_OK)
-        s = e->h2d;
-    spw__arena_free(b->darena, b->dblock, s);
-    spw__stat_add(&ctx->stats.live, -(int64_t)size);
-    spw__stat_add(&ctx->stats.cached, (int64_t)size);
-    spw__stat_add(&ctx->stats.requested, -(int64_t)b->bytes);
-    b->dblock = NULL;
-    b->darena = NULL;
-    b->dev = NULL;
-}
-
-/* ---- read-only managed buffers: read-mostly replicas (model in engine.h) ---- */
-
-/* Ask for a device replica of read-only managed b before its prefetch to the device: preferred
- * location the device, read-mostly. Advice takes effect at once, not in stream order; that is
- * harmless here: it only makes device reads duplicate pages instead of moving them. Advice
- * already in effect (a collapse still pending) is not repeated. Cannot fail: a refused
- * preferred location is only slower; without read-mostly (adv_rm stays false) the prefetch
- * migrates the pages and eviction migrates them back, as for read-write buffers. */
-static void replica_advise(spw_ctx *ctx, spw_buf *b) {
-    if (!b->adv_dev) b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_PREFERRED_HOST) == SPW_OK;
-    if (!b->adv_rm) b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
-}
-
-static void collapse_unlink(struct spw_engine *e, spw_buf *b) {
-    if (!b->collapsing) return;
-    if (b->cprev) b->cprev->cnext = b->cnext;
-    else e->c_first = b->cnext;
-    if (b->cnext) b->cnext->cprev = b->cprev;
-    else e->c_last = b->cprev;
-    b->cprev = b->cnext = NULL;
-    b->collapsing = false;
-}
-
-/* Make sure ev_dev marks b's last device use. It is unrecorded only after a failed
- * event_record, and then dev_s is a copy stream (releases fail unless they record), so
- * recording now orders after that use (and maybe later copies: late, never early). */
-static bool last_use_recorded(spw_ctx *ctx, spw_buf *b) {
-    if (!b->dev_touched || b->dev_rec) return true;
-    if (OPS(ctx)->event_record(BE(ctx), b->ev_dev, b->dev_s)) return false;
-    b->dev_rec = true;
-    return true;
-}
-
-/* b (read-mostly, just made non-resident) keeps its replica until its last device use is
- * complete: queue it for collapse_poll. Best effort, cannot fail: the poll retries whatever
- * fails here. */
-static void collapse_add(spw_ctx *ctx, spw_buf *b) {
-    struct spw_engine *e = ctx->engine;
-    if (b->collapsing) return;
-    last_use_recorded(ctx, b);
-    b->collapsing = true;
-    b->cnext = NULL;
-    b->cprev = e->c_last;
-    if (e->c_last) e->c_last->cnext = b;
-    else e->c_first = b;
-    e->c_last = b;
-}
-
-/* Drop b's replica, its last use being complete: preferred location the host first, so that
- * unsetting read-mostly collapses the copies onto the host's (valid since the data was last
- * written there: no transfer). Advice failures keep b listed, to be retried by the next poll:
- * nothing is lost meanwhile (the host copy stays valid, the replica only lingers), and a
- * collapse that cannot be done at all ends at destroy, whose free drops every copy. */
-static void collapse_now(spw_ctx *ctx, spw_buf *b) {
-    if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_UNSET_READ_MOSTLY)) return;
-    /* set again at once (no data moves): the next acquire then needs no advice, which would
-     * otherwise wait behind the migrations in flight (measured: 2.5 ms gaps per layer) */
-    b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
-    b->replica = false;
-    collapse_unlink(ctx->engine, b);
-    spw__stat_event(&ctx->stats.managed_collapses);
-    spw__tsink_instant(ctx->engine->sink, "collapse replica", NULL, "engine", b->bytes, b->id);
-}
-
-/* Collapse every listed replica whose last device use is complete. Called with the lock held
- * at every engine entry (buffer calls, steps, spw_malloc's eviction path, stats): one
- * event_query per listed buffer, never a host-blocking wait; nothing when the list is empty
- * (the acquire hot path). Buffers being destroyed are left to their destroy. */
-static void collapse_poll(spw_ctx *ctx) {
-    struct spw_engine *e = ctx->engine;
-    if (!e || !e->c_first) return;
-    spw_buf *next;
-    for (spw_buf *b = e->c_first; b; b = next) {
-        next = b->cnext;
-        if (atomic_load(&b->magic) != SPW_BUF_ALIVE || !last_use_recorded(ctx, b)) continue;
-        if (b->dev_touched && OPS(ctx)->event_query(BE(ctx), b->ev_dev) != SPW_OK) continue;
-        collapse_now(ctx, b);
-    }
-}
-
-/* Forget the device copy (after a write-back, or when it is clean or dead). Cannot fail. A
- * read-mostly managed buffer is refunded at once but keeps its replica until collapse_poll
- * sees its last device use complete (the budget is a logical cap: the physical replica
- * lingers at most until the first engine call after that use completes). */
-static void drop_device(spw_ctx *ctx, spw_buf *b) {
-    if (b->managed) managed_charge(ctx, b, -1);
-    else release_block(ctx, b);
-    b->dv = false;
-    b->xfer = false;
-    b->prefetched = false;
-    if (!b->managed) {
-        b->dev_rec = false;
-        b->dev_touched = false;
-    }
-    set_resident(ctx, b, false);
-    if (b->managed && b->adv_rm) collapse_add(ctx, b);
-}
-
-/* Evict b. `user`: spw_evict (always write dirty data back) rather than the policy. On
- * failure b is unchanged and its contents intact. */
-static spw_status evict_buf(spw_ctx *ctx, spw_buf *b, bool user) {
-    struct spw_engine *e = ctx->engine;
-    if (!b->resident) return SPW_OK;
-    if (b->acq)
-        return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is acquired (%u times); release it first",
-                          (unsigned long long)b->id, b->acq);
-    spw_status st;
-    bool wrote = false;
-    if (b->managed) {
-        /* read-mostly: the host copy is valid, nothing moves (drop_device queues the
-         * replica's collapse); otherwise the pages migrate to the host */
-        if (!b->adv_rm && (st = spw__copy_managed_to_host(ctx, b))) return st;
-        wrote = !(b->flags & SPW_BUF_READ_ONLY) && !b->dead;
-    } else if (spw__pol_dirty(b)) {
-        if (!user && e->pops->need_writeback && !e->pops->need_writeback(e->pol, b)) {
-            b->dead = true; /* the policy vouches that nobody reads these contents */
-            b->policy_dead = true;
-        } else {
-            if ((st = spw__copy_writeback(ctx, b))) return st;
-            wrote = true;
-        }
-    }
-    spw__stat_event(wrote ? &ctx->stats.evictions_dirty : &ctx->stats.evictions_clean);
-    spw__tsink_instant(e->sink, wrote ? "evict (write-back)" : "evict (drop)", NULL, "engine", b->bytes, b->id);
-    drop_device(ctx, b);
-    return SPW_OK;
-}
-
-/* ---- device memory under pressure ---- */
-
-static size_t obtainable(const spw_ctx *ctx) {
-    int64_t room = (int64_t)ctx->budget - ctx->stats.held.current + ctx->stats.cached.current;
-    return room > 0 ? (size_t)room : 0;
-}
-
-/* One arena attempt; at the budget, the other arena's cache is released first. */
-static spw_status try_arena(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
-    spw_status st = spw__arena_alloc(a, bytes, s, out);
-    if (st != SPW_ERR_OUT_OF_MEMORY) return st;
-    size_t got = 0;
-    spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
-    if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
-    return got ? spw__arena_alloc(a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
-}
-
-/* Ask the policy for the next victim and evict it. SPW_ERR_OUT_OF_MEMORY (no message) when
- * there is none. */
-static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int for_prefetch) {
-    struct spw_engine *e = ctx->engine;
-    spw_buf *v = e->pops->choose_victim(e->pol, need, incoming, for_prefetch);
-    if (!v || v == incoming || !spw__pol_evictable(v)) return SPW_ERR_OUT_OF_MEMORY;
-    return evict_buf(ctx, v, false);
-}
-
-/* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
- * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
- * without a message when nothing more can be evicted. */
-static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_buf *incoming,
-                                 int for_prefetch, bool may_evict, bool tried, spw_block **out) {
-    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
-    size_t need = SPW_ALIGN_UP(bytes, 512);
-    for (;;) {
-        if (!tried && (obtainable(ctx) >= need || !may_evict)) {
-            spw_status st = try_arena(ctx, a, bytes, s, out);
-            if (st != SPW_ERR_OUT_OF_MEMORY) return st;
-        }
-        tried = false;
-        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
-        spw_status st = evict_next(ctx, need, incoming, for_prefetch);
-        if (st == SPW_ERR_OUT_OF_MEMORY) {
-            /* nothing left to evict: one last attempt if the budget might fit after all */
-            return obtainable(ctx) >= need ? try_arena(ctx, a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
-        }
-        if (st) return st;
-    }
-}
-
-spw_status spw__engine_alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
-    if (!ctx->engine) return SPW_ERR_OUT_OF_MEMORY;
-    collapse_poll(ctx);
-    return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out);
-}
-
-/* Managed: room in the budget for b's bytes, then charge them. */
-static spw_status managed_room(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {
-    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
-    while (!spw__ctx_can_hold(ctx, b->bytes)) {
-        size_t got = 0, g2 = 0;
-        spw_status st;
-        if (ctx->stats.cached.current > 0) {
-            if ((st = spw__arena_trim(ctx->small, SIZE_MAX, &got))) return st;
-            if ((st = spw__arena_trim(ctx->large, SIZE_MAX, &g2))) return st;
-            if (got + g2) continue;
-        }
-        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
-        if ((st = evict_next(ctx, b->bytes, b, for_prefetch))) return st;
-    }
-    managed_charge(ctx, b, 1);
-    return SPW_OK;
-}
-
-/* Make b resident (not acquired). `upload`: bring the contents (else the device copy starts
- * undefined). `s`: the stream the block is for when there is no upload. On failure nothing
- * about b changed (other buffers may have been evicted, their contents intact). */
-static spw_status make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_stream s, int for_prefetch,
-                                bool may_evict) {
-    struct spw_engine *e = ctx->engine;
-    spw_status st;
-    if (b->managed) {
-        if ((st = managed_room(ctx, b, for_prefetch, may_evict))) return st;
-        if (b->flags & SPW_BUF_READ_ONLY) replica_advise(ctx, b);
-        if ((st = spw__copy_upload(ctx, b))) {
-            managed_charge(ctx, b, -1);
-            if (b->adv_rm) collapse_add(ctx, b); /* adv_rm => resident || collapsing */
-            return st;
-        }
-        /* a pending collapse is cancelled: the replica, if still there, serves again (the
-         * prefetch found it and moved nothing) */
-        collapse_unlink(e, b);
-        b->dv = true;
-        set_resident(ctx, b, true);
-        return SPW_OK;
-    }
-    spw_stream as = upload ? e->h2d : s;
-    spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
-    spw_block *blk = NULL;
-    if ((st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk))) return st;
-    size_t size = spw__block_size(blk);
-    spw__stat_add(&ctx->stats.live, (int64_t)size);
-    spw__stat_add(&ctx->stats.cached, -(int64_t)size);
-    spw__stat_add(&ctx->stats.requested, (int64_t)b->bytes);
-    b->dblock = blk;
-    b->darena = a;
-    b->dev = spw__block_ptr(blk);
-    b->dev_s = as;
-    b->dev_rec = false;
-    b->dev_touched = true;
-    if (upload && (st = spw__copy_upload(ctx, b))) {
-        release_block(ctx, b); /* on dev_s: after whatever part of the upload was enqueued */
-        b->dev_rec = b->dev_touched = false;
-        return st;
-    }
-    b->dv = upload;
-    set_resident(ctx, b, true);
-    return SPW_OK;
-}
+/* ---- out of device memory ---- */
 
 static spw_status oom_for(spw_ctx *ctx, spw_buf *b, spw_stream s, const char *fn) {
     spw__ctx_oom(ctx, b->bytes, s);
@@ -428,9 +141,9 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     struct spw_engine *e = ctx->engine;
     if (b->acq) spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
     b->acq = 0;
-    if (b->resident) drop_device(ctx, b);
+    if (b->resident) spw__res_drop_device(ctx, b);
     /* a pending collapse needs no advice: the free below drops the replica with the memory */
-    collapse_unlink(e, b);
+    spw__res_collapse_unlink(e, b);
     if (e->pops->on_destroy) e->pops->on_destroy(e->pol, b);
     spw__stat_add(&ctx->stats.buffers_host, -1);
     if (b->prev) b->prev->next = b->next;
@@ -477,7 +190,7 @@ void spw__engine_destroy(spw_ctx *ctx) {
 
 void spw__engine_stats_sync(spw_ctx *ctx) {
     if (!ctx->engine) return;
-    collapse_poll(ctx);
+    spw__res_collapse_poll(ctx);
     int64_t ns = (int64_t)spw__tsink_stall_ns(ctx->engine->sink);
     ctx->stats.stall_ns.current = ctx->stats.stall_ns.total = ctx->stats.stall_ns.peak = ns;
 }
@@ -558,7 +271,7 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
                           "%s: managed residency needs concurrent managed access, which device '%s' lacks "
                           "(e.g. WSL2 or Windows); use residency=explicit (or SPW_BUF_EXPLICIT)", fn, ctx->dev.name);
     pthread_mutex_lock(&ctx->lock);
-    collapse_poll(ctx);
+    spw__res_collapse_poll(ctx);
     spw_buf *b = NULL;
     if ((st = buf_new(ctx, bytes, flags, &b))) goto out;
     b->managed = managed;
@@ -571,9 +284,9 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
         /* A hint; a device that refuses it still works, only slower. Read-only buffers get
          * read-mostly only while resident (replica_advise): a prefetch to the host does not
          * remove a read-mostly replica, and advice is not stream-ordered, so eviction drops
-         * the replica by advice once its last use is complete (collapse_poll). Measured on
-         * the H200: read-mostly set for a buffer's whole life kept "evicted" layers on the
-         * device and the budget held on paper only. */
+         * the replica by advice once its last use is complete (spw__res_collapse_poll,
+         * residency.c). Measured on the H200: read-mostly set for a buffer's whole life kept
+         * "evicted" layers on the device and the budget held on paper only. */
         /* Read-only: preferred location the host, for good (replicas then collapse onto the
          * host copy without a transfer; measured on the H200, prefetches to the device run at
          * 44 GB/s this way against 25 GB/s with the preference flipped to the device). */
@@ -608,7 +321,7 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
         return spw__error(SPW_ERR_UNSUPPORTED, "%s: caller memory cannot be managed memory; registered buffers "
                           "use explicit residency (drop SPW_BUF_MANAGED)", fn);
     pthread_mutex_lock(&ctx->lock);
-    collapse_poll(ctx);
+    spw__res_collapse_poll(ctx);
     spw_buf *b = NULL;
     if ((st = buf_new(ctx, bytes, flags, &b))) {
         pthread_mutex_unlock(&ctx->lock);
@@ -696,7 +409,7 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     bool fresh = false;
     if (!b->resident) {
         bool upload = (mode & SPW_ACCESS_READ) && !b->dead;
-        st = make_resident(ctx, b, upload, s, 0, true);
+        st = spw__res_make_resident(ctx, b, upload, s, 0, true);
         if (st == SPW_ERR_OUT_OF_MEMORY) st = oom_for(ctx, b, s, fn);
         if (st) {
             leave(b);
@@ -721,7 +434,7 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     st = spw__copy_order_dev(ctx, b, s);
     spw__tsink_span_end(ctx, s, stall);
     if (st) {
-        if (fresh) drop_device(ctx, b); /* stream-ordered free on dev_s; contents stay on the host */
+        if (fresh) spw__res_drop_device(ctx, b); /* stream-ordered free on dev_s; contents stay on the host */
         leave(b);
         return spw__error_prefix(st, "%s: ordering stream %p after buffer #%llu", fn, (void *)s,
                                  (unsigned long long)b->id);
@@ -774,7 +487,7 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
 
 static spw_status prefetch_locked(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {
     if (atomic_load(&b->magic) != SPW_BUF_ALIVE || b->resident || b->acq || b->host_busy) return SPW_OK;
-    spw_status st = make_resident(ctx, b, !b->dead, ctx->engine->h2d, for_prefetch, may_evict);
+    spw_status st = spw__res_make_resident(ctx, b, !b->dead, ctx->engine->h2d, for_prefetch, may_evict);
     if (st) return st;
     b->prefetched = true;
     return SPW_OK;
@@ -803,7 +516,7 @@ SPW_API spw_status spw_evict(spw_buf *b) {
     spw_status st;
     if ((st = enter(b, "spw_evict"))) return st;
     st = b->host_busy ? spw__error(SPW_ERR_STATE, "spw_evict: buffer is being written by spw_buf_write")
-                      : evict_buf(b->ctx, b, true);
+                      : spw__res_evict_buf(b->ctx, b, true);
     leave(b);
     return st;
 }
@@ -829,7 +542,7 @@ static spw_status step(spw_ctx *ctx, bool begin) {
     if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: context is NULL", begin ? "spw_step_begin" : "spw_step_end");
     pthread_mutex_lock(&ctx->lock);
     struct spw_engine *e = ctx->engine;
-    collapse_poll(ctx);
+    spw__res_collapse_poll(ctx);
     if (begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);
@@ -885,7 +598,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     b->replica = false; /* the host write invalidated any read-mostly replica's pages */
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
-        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) drop_device(ctx, b);
+        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) spw__res_drop_device(ctx, b);
         else b->dv = true;
     }
     spw__error_clear();

@@ -1,6 +1,7 @@
 /*
  * Private declarations of the offload engine, shared by buffer.c (state machine and API),
- * copy.c (transfers and their ordering), hostmem.c (pinned host pool) and trace_events.c.
+ * residency.c (device copies, eviction, replica collapse), copy.c (transfers and their
+ * ordering), hostmem.c (pinned host pool) and trace_events.c.
  * Everything here runs under the context lock unless a comment says otherwise.
  *
  * Ordering model (why a buffer needs only two events):
@@ -18,7 +19,7 @@
  * Consequence: two streams using one buffer at once are chained at release (the second
  * release waits for the first's use). Correct, at the price of a false dependency in that case.
  *
- * Read-only managed buffers (read-mostly replicas, buffer.c): made resident with advice
+ * Read-only managed buffers (read-mostly replicas, residency.c): made resident with advice
  * "preferred location device" + "read-mostly" and a prefetch to the device, which makes a
  * device replica while the host copy stays valid. Eviction moves nothing: it refunds the
  * budget and puts the buffer on the engine's collapse list. Advice is not stream-ordered, so
@@ -108,6 +109,22 @@ struct spw_engine {
     int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
 };
 
+/* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
+ * Full contracts at the definitions. */
+/* Make b resident (not acquired); `upload` brings the contents. On failure nothing about b
+ * changed (other buffers may have been evicted, their contents intact). */
+spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_stream s, int for_prefetch,
+                                  bool may_evict);
+/* Evict b (`user`: spw_evict, always write dirty data back). On failure b is unchanged. */
+spw_status spw__res_evict_buf(spw_ctx *ctx, spw_buf *b, bool user);
+/* Forget b's device copy (after a write-back, or when it is clean or dead). Cannot fail. */
+void spw__res_drop_device(spw_ctx *ctx, spw_buf *b);
+/* Take b off the collapse list, if on it (no advice). */
+void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b);
+/* Collapse every listed replica whose last device use is complete; called at every engine
+ * entry, never blocks. */
+void spw__res_collapse_poll(spw_ctx *ctx);
+
 /* ---- hostmem.c: pinned host pool (context lock held) ---- */
 spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);
 void spw__hostpool_destroy(spw_hostpool *hp);
@@ -134,7 +151,7 @@ spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n
  * host copy is valid (pending ev_host). On failure b is unchanged. */
 spw_status spw__copy_writeback(spw_ctx *ctx, spw_buf *b);
 /* Managed, read-write (or read-only without read-mostly): migrate b to the host on the D2H
- * stream after every use. Read-mostly buffers are evicted without it (buffer.c). */
+ * stream after every use. Read-mostly buffers are evicted without it (residency.c). */
 spw_status spw__copy_managed_to_host(spw_ctx *ctx, spw_buf *b);
 /* Events to wait for (lock dropped) before host code touches b's host copy, plus copy streams
  * to synchronize. */

@@ -152,7 +152,7 @@ void spw__stat_event(spw_counter *c);
 /* Fill the out-of-memory message for a request of `bytes`. */
 spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
 
-/* ---- buffer.c: the offload engine (details in engine.h, policy.h) ---- */
+/* ---- buffer.c, residency.c: the offload engine (details in engine.h, policy.h) ---- */
 
 /* Create / destroy the engine of a context. create makes no backend call (copy streams are
  * created with the first buffer); destroy releases every live buffer (waiting for its work),

@@ -1,9 +1,9 @@
 /*
  * The policy seam of the offload engine: which buffer to evict, whether a dirty one must be
- * written back, and what to prefetch. The engine (buffer.c) owns every buffer's state and does
- * every transfer; a policy only observes events and answers questions. Policies: policy_lru.c
- * (least recently released first); issue 4's policy_plan.c (next use from a recorded step) is
- * written against the same table without changes to buffer.c.
+ * written back, and what to prefetch. The engine (buffer.c, residency.c) owns every buffer's
+ * state and does every transfer; a policy only observes events and answers questions. Policies:
+ * policy_lru.c (least recently released first) and policy_plan.c (next use from a recorded
+ * step), both written against the same table.
  *
  * Contracts for every callback:
  * - Called with the context lock held, from whichever thread made the API call. A callback must

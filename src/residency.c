@@ -1,0 +1,298 @@
+/*
+ * The offload engine's residency machinery: device copies allocated under pressure (evicting
+ * through the policy), eviction and write-back, managed budget charges, and the read-mostly
+ * replica collapse list. States, invariants and locking: buffer.c; ordering model and
+ * read-mostly replicas: engine.h. Every function here runs with the context lock held.
+ */
+#include "engine.h"
+
+#define OPS(ctx) ((ctx)->backend->ops)
+#define BE(ctx) ((ctx)->backend)
+
+/* ---- residency bookkeeping ---- */
+
+static void set_resident(spw_ctx *ctx, spw_buf *b, bool on) {
+    if (b->resident == on) return;
+    b->resident = on;
+    spw__stat_add(&ctx->stats.buffers_resident, on ? 1 : -1);
+    spw__stat_add(&ctx->stats.buffers_host, on ? -1 : 1);
+    if (on) {
+        if (ctx->engine->pops->on_resident) ctx->engine->pops->on_resident(ctx->engine->pol, b);
+    } else {
+        if (ctx->engine->pops->on_evicted) ctx->engine->pops->on_evicted(ctx->engine->pol, b);
+    }
+}
+
+/* Charge or refund a managed buffer's bytes as held and live device memory. */
+static void managed_charge(spw_ctx *ctx, spw_buf *b, int sign) {
+    spw__stat_add(&ctx->stats.held, sign * (int64_t)b->bytes);
+    spw__stat_add(&ctx->stats.live, sign * (int64_t)b->bytes);
+}
+
+/* Give the device block back, ordered after every touch: freeing on dev_s (engine.h). */
+static void release_block(spw_ctx *ctx, spw_buf *b) {
+    size_t size = spw__block_size(b->dblock);
+    /* Hand the block to the H2D copy stream, ordered after the exact last use (the event
+     * recorded at release): the next upload, on that stream, then reuses it at once. Freed on
+     * the last-use stream instead, another stream could only take it after an event recorded
+     * at reuse time, which on a caller running ahead also waits for all the work enqueued
+     * since (the next layer's product): transfers would no longer overlap compute. */
+    struct spw_engine *e = ctx->engine;
+    spw_stream s = b->dev_s;
+    if (e->streams_ok && b->dev_rec && s != e->h2d && OPS(ctx)->stream_wait(BE(ctx), e->h2d, b->ev_dev) == SPW_OK)
+        s = e->h2d;
+    spw__arena_free(b->darena, b->dblock, s);
+    spw__stat_add(&ctx->stats.live, -(int64_t)size);
+    spw__stat_add(&ctx->stats.cached, (int64_t)size);
+    spw__stat_add(&ctx->stats.requested, -(int64_t)b->bytes);
+    b->dblock = NULL;
+    b->darena = NULL;
+    b->dev = NULL;
+}
+
+/* ---- read-only managed buffers: read-mostly replicas (model in engine.h) ---- */
+
+/* Ask for a device replica of read-only managed b before its prefetch to the device: preferred
+ * location the device, read-mostly. Advice takes effect at once, not in stream order; that is
+ * harmless here: it only makes device reads duplicate pages instead of moving them. Advice
+ * already in effect (a collapse still pending) is not repeated. Cannot fail: a refused
+ * preferred location is only slower; without read-mostly (adv_rm stays false) the prefetch
+ * migrates the pages and eviction migrates them back, as for read-write buffers. */
+static void replica_advise(spw_ctx *ctx, spw_buf *b) {
+    if (!b->adv_dev) b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_PREFERRED_HOST) == SPW_OK;
+    if (!b->adv_rm) b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
+}
+
+void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b) {
+    if (!b->collapsing) return;
+    if (b->cprev) b->cprev->cnext = b->cnext;
+    else e->c_first = b->cnext;
+    if (b->cnext) b->cnext->cprev = b->cprev;
+    else e->c_last = b->cprev;
+    b->cprev = b->cnext = NULL;
+    b->collapsing = false;
+}
+
+/* Make sure ev_dev marks b's last device use. It is unrecorded only after a failed
+ * event_record, and then dev_s is a copy stream (releases fail unless they record), so
+ * recording now orders after that use (and maybe later copies: late, never early). */
+static bool last_use_recorded(spw_ctx *ctx, spw_buf *b) {
+    if (!b->dev_touched || b->dev_rec) return true;
+    if (OPS(ctx)->event_record(BE(ctx), b->ev_dev, b->dev_s)) return false;
+    b->dev_rec = true;
+    return true;
+}
+
+/* b (read-mostly, just made non-resident) keeps its replica until its last device use is
+ * complete: queue it for spw__res_collapse_poll. Best effort, cannot fail: the poll retries
+ * whatever fails here. */
+static void collapse_add(spw_ctx *ctx, spw_buf *b) {
+    struct spw_engine *e = ctx->engine;
+    if (b->collapsing) return;
+    last_use_recorded(ctx, b);
+    b->collapsing = true;
+    b->cnext = NULL;
+    b->cprev = e->c_last;
+    if (e->c_last) e->c_last->cnext = b;
+    else e->c_first = b;
+    e->c_last = b;
+}
+
+/* Drop b's replica, its last use being complete: preferred location the host first, so that
+ * unsetting read-mostly collapses the copies onto the host's (valid since the data was last
+ * written there: no transfer). Advice failures keep b listed, to be retried by the next poll:
+ * nothing is lost meanwhile (the host copy stays valid, the replica only lingers), and a
+ * collapse that cannot be done at all ends at destroy, whose free drops every copy. */
+static void collapse_now(spw_ctx *ctx, spw_buf *b) {
+    if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_UNSET_READ_MOSTLY)) return;
+    /* set again at once (no data moves): the next acquire then needs no advice, which would
+     * otherwise wait behind the migrations in flight (measured: 2.5 ms gaps per layer) */
+    b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
+    b->replica = false;
+    spw__res_collapse_unlink(ctx->engine, b);
+    spw__stat_event(&ctx->stats.managed_collapses);
+    spw__tsink_instant(ctx->engine->sink, "collapse replica", NULL, "engine", b->bytes, b->id);
+}
+
+/* Collapse every listed replica whose last device use is complete. Called with the lock held
+ * at every engine entry (buffer calls, steps, spw_malloc's eviction path, stats): one
+ * event_query per listed buffer, never a host-blocking wait; nothing when the list is empty
+ * (the acquire hot path). Buffers being destroyed are left to their destroy. */
+void spw__res_collapse_poll(spw_ctx *ctx) {
+    struct spw_engine *e = ctx->engine;
+    if (!e || !e->c_first) return;
+    spw_buf *next;
+    for (spw_buf *b = e->c_first; b; b = next) {
+        next = b->cnext;
+        if (atomic_load(&b->magic) != SPW_BUF_ALIVE || !last_use_recorded(ctx, b)) continue;
+        if (b->dev_touched && OPS(ctx)->event_query(BE(ctx), b->ev_dev) != SPW_OK) continue;
+        collapse_now(ctx, b);
+    }
+}
+
+/* Forget the device copy (after a write-back, or when it is clean or dead). Cannot fail. A
+ * read-mostly managed buffer is refunded at once but keeps its replica until
+ * spw__res_collapse_poll sees its last device use complete (the budget is a logical cap: the
+ * physical replica lingers at most until the first engine call after that use completes). */
+void spw__res_drop_device(spw_ctx *ctx, spw_buf *b) {
+    if (b->managed) managed_charge(ctx, b, -1);
+    else release_block(ctx, b);
+    b->dv = false;
+    b->xfer = false;
+    b->prefetched = false;
+    if (!b->managed) {
+        b->dev_rec = false;
+        b->dev_touched = false;
+    }
+    set_resident(ctx, b, false);
+    if (b->managed && b->adv_rm) collapse_add(ctx, b);
+}
+
+/* Evict b. `user`: spw_evict (always write dirty data back) rather than the policy. On
+ * failure b is unchanged and its contents intact. */
+spw_status spw__res_evict_buf(spw_ctx *ctx, spw_buf *b, bool user) {
+    struct spw_engine *e = ctx->engine;
+    if (!b->resident) return SPW_OK;
+    if (b->acq)
+        return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is acquired (%u times); release it first",
+                          (unsigned long long)b->id, b->acq);
+    spw_status st;
+    bool wrote = false;
+    if (b->managed) {
+        /* read-mostly: the host copy is valid, nothing moves (spw__res_drop_device queues
+         * the replica's collapse); otherwise the pages migrate to the host */
+        if (!b->adv_rm && (st = spw__copy_managed_to_host(ctx, b))) return st;
+        wrote = !(b->flags & SPW_BUF_READ_ONLY) && !b->dead;
+    } else if (spw__pol_dirty(b)) {
+        if (!user && e->pops->need_writeback && !e->pops->need_writeback(e->pol, b)) {
+            b->dead = true; /* the policy vouches that nobody reads these contents */
+            b->policy_dead = true;
+        } else {
+            if ((st = spw__copy_writeback(ctx, b))) return st;
+            wrote = true;
+        }
+    }
+    spw__stat_event(wrote ? &ctx->stats.evictions_dirty : &ctx->stats.evictions_clean);
+    spw__tsink_instant(e->sink, wrote ? "evict (write-back)" : "evict (drop)", NULL, "engine", b->bytes, b->id);
+    spw__res_drop_device(ctx, b);
+    return SPW_OK;
+}
+
+/* ---- device memory under pressure ---- */
+
+static size_t obtainable(const spw_ctx *ctx) {
+    int64_t room = (int64_t)ctx->budget - ctx->stats.held.current + ctx->stats.cached.current;
+    return room > 0 ? (size_t)room : 0;
+}
+
+/* One arena attempt; at the budget, the other arena's cache is released first. */
+static spw_status try_arena(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
+    spw_status st = spw__arena_alloc(a, bytes, s, out);
+    if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+    size_t got = 0;
+    spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
+    if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
+    return got ? spw__arena_alloc(a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+}
+
+/* Ask the policy for the next victim and evict it. SPW_ERR_OUT_OF_MEMORY (no message) when
+ * there is none. */
+static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int for_prefetch) {
+    struct spw_engine *e = ctx->engine;
+    spw_buf *v = e->pops->choose_victim(e->pol, need, incoming, for_prefetch);
+    if (!v || v == incoming || !spw__pol_evictable(v)) return SPW_ERR_OUT_OF_MEMORY;
+    return spw__res_evict_buf(ctx, v, false);
+}
+
+/* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
+ * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
+ * without a message when nothing more can be evicted. */
+static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_buf *incoming,
+                                 int for_prefetch, bool may_evict, bool tried, spw_block **out) {
+    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
+    size_t need = SPW_ALIGN_UP(bytes, 512);
+    for (;;) {
+        if (!tried && (obtainable(ctx) >= need || !may_evict)) {
+            spw_status st = try_arena(ctx, a, bytes, s, out);
+            if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+        }
+        tried = false;
+        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
+        spw_status st = evict_next(ctx, need, incoming, for_prefetch);
+        if (st == SPW_ERR_OUT_OF_MEMORY) {
+            /* nothing left to evict: one last attempt if the budget might fit after all */
+            return obtainable(ctx) >= need ? try_arena(ctx, a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+        }
+        if (st) return st;
+    }
+}
+
+spw_status spw__engine_alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
+    if (!ctx->engine) return SPW_ERR_OUT_OF_MEMORY;
+    spw__res_collapse_poll(ctx);
+    return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out);
+}
+
+/* Managed: room in the budget for b's bytes, then charge them. */
+static spw_status managed_room(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {
+    if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
+    while (!spw__ctx_can_hold(ctx, b->bytes)) {
+        size_t got = 0, g2 = 0;
+        spw_status st;
+        if (ctx->stats.cached.current > 0) {
+            if ((st = spw__arena_trim(ctx->small, SIZE_MAX, &got))) return st;
+            if ((st = spw__arena_trim(ctx->large, SIZE_MAX, &g2))) return st;
+            if (got + g2) continue;
+        }
+        if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
+        if ((st = evict_next(ctx, b->bytes, b, for_prefetch))) return st;
+    }
+    managed_charge(ctx, b, 1);
+    return SPW_OK;
+}
+
+/* Make b resident (not acquired). `upload`: bring the contents (else the device copy starts
+ * undefined). `s`: the stream the block is for when there is no upload. On failure nothing
+ * about b changed (other buffers may have been evicted, their contents intact). */
+spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_stream s, int for_prefetch,
+                                  bool may_evict) {
+    struct spw_engine *e = ctx->engine;
+    spw_status st;
+    if (b->managed) {
+        if ((st = managed_room(ctx, b, for_prefetch, may_evict))) return st;
+        if (b->flags & SPW_BUF_READ_ONLY) replica_advise(ctx, b);
+        if ((st = spw__copy_upload(ctx, b))) {
+            managed_charge(ctx, b, -1);
+            if (b->adv_rm) collapse_add(ctx, b); /* adv_rm => resident || collapsing */
+            return st;
+        }
+        /* a pending collapse is cancelled: the replica, if still there, serves again (the
+         * prefetch found it and moved nothing) */
+        spw__res_collapse_unlink(e, b);
+        b->dv = true;
+        set_resident(ctx, b, true);
+        return SPW_OK;
+    }
+    spw_stream as = upload ? e->h2d : s;
+    spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
+    spw_block *blk = NULL;
+    if ((st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk))) return st;
+    size_t size = spw__block_size(blk);
+    spw__stat_add(&ctx->stats.live, (int64_t)size);
+    spw__stat_add(&ctx->stats.cached, -(int64_t)size);
+    spw__stat_add(&ctx->stats.requested, (int64_t)b->bytes);
+    b->dblock = blk;
+    b->darena = a;
+    b->dev = spw__block_ptr(blk);
+    b->dev_s = as;
+    b->dev_rec = false;
+    b->dev_touched = true;
+    if (upload && (st = spw__copy_upload(ctx, b))) {
+        release_block(ctx, b); /* on dev_s: after whatever part of the upload was enqueued */
+        b->dev_rec = b->dev_touched = false;
+        return st;
+    }
+    b->dv = upload;
+    set_resident(ctx, b, true);
+    return SPW_OK;
+}
