@@ -178,6 +178,15 @@ spw_status spw__ctx_oom(spw_ctx *ctx, size_t bytes, spw_stream s) {
         spw__fmt_bytes(largest, sizeof largest, lf));
 }
 
+spw_status spw__ctx_alloc_block(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
+    spw_status st = spw__arena_alloc(a, bytes, s, out);
+    if (SPW_LIKELY(st != SPW_ERR_OUT_OF_MEMORY)) return st;
+    size_t got = 0;
+    spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
+    if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
+    return got ? spw__arena_alloc(a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+}
+
 /* Largest request accepted before any arithmetic: beyond this, rounding could overflow. */
 #define SPW_MAX_REQUEST ((size_t)1 << 48)
 
@@ -197,14 +206,9 @@ SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, voi
     }
     spw_arena *a = bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
     spw_block *b = NULL;
-    spw_status st = spw__arena_alloc(a, bytes, stream, &b);
+    spw_status st = spw__ctx_alloc_block(ctx, a, bytes, stream, &b);
     if (SPW_UNLIKELY(st == SPW_ERR_OUT_OF_MEMORY)) {
-        /* the other arena's cache counts against the same budget */
-        size_t got = 0;
-        spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
-        st = spw__arena_trim(other, SIZE_MAX, &got);
-        if (!st) st = got ? spw__arena_alloc(a, bytes, stream, &b) : SPW_ERR_OUT_OF_MEMORY;
-        /* then evict unpinned buffers (policy order) unless on_exhaust=fail */
+        /* evict unpinned buffers (policy order) unless on_exhaust=fail */
         if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__engine_alloc_evicting(ctx, a, bytes, stream, &b);
         if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__ctx_oom(ctx, bytes, stream);
     }

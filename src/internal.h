@@ -149,6 +149,10 @@ struct spw_ctx {
 bool spw__ctx_can_hold(const struct spw_ctx *ctx, size_t more);
 void spw__stat_add(spw_counter *c, int64_t delta);
 void spw__stat_event(spw_counter *c);
+/* Allocate from arena a; at the budget, give back the other arena's cache (it counts against
+ * the same budget) and try once more. SPW_ERR_OUT_OF_MEMORY without a message when it cannot.
+ * Context lock held. */
+spw_status spw__ctx_alloc_block(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
 /* Fill the out-of-memory message for a request of `bytes`. */
 spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
 

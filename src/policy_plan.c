@@ -171,15 +171,17 @@ static uint64_t use_after(const spw_policy *p, uint64_t key, size_t after) {
 /* The largest next-use-after-use over the plan entries from the cursor up to `upto` entries
  * ahead: a buffer used in that window becomes a victim candidate with that distance once it is
  * released, before the entry `upto` is reached. */
+/* For the plan entry `at` entries from the start of this step (at >= nplan: in the next step),
+ * the distance from the cursor to its buffer's use after that one. */
+static uint64_t reuse_after_entry(const spw_policy *p, size_t at) {
+    uint64_t after = use_after(p, p->plan[at % p->nplan].key, at % p->nplan);
+    return at >= p->nplan && after != FAR ? after + p->nplan : after;
+}
+
 static uint64_t window_floor(const spw_policy *p, uint64_t upto) {
     uint64_t floor = 0;
     size_t n = (size_t)SPW_MIN(upto, (uint64_t)LOOKAHEAD_MAX);
-    for (size_t i = 0; i < n && p->nplan; i++) {
-        size_t at = p->cursor + i;
-        uint64_t after = use_after(p, p->plan[at % p->nplan].key, at % p->nplan);
-        if (at >= p->nplan && after != FAR) after += p->nplan;
-        if (after > floor) floor = after;
-    }
+    for (size_t i = 0; i < n && p->nplan; i++) floor = SPW_MAX(floor, reuse_after_entry(p, p->cursor + i));
     return floor;
 }
 
@@ -475,9 +477,7 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
             k->prefetched = true;
             spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));
         }
-        uint64_t after = use_after(p, e->key, at % p->nplan);
-        if (at >= p->nplan && after != FAR) after += p->nplan; /* entry of the next step */
-        if (after > floor) floor = after;
+        floor = SPW_MAX(floor, reuse_after_entry(p, at));
     }
 }
 

@@ -185,16 +185,6 @@ static size_t obtainable(const spw_ctx *ctx) {
     return room > 0 ? (size_t)room : 0;
 }
 
-/* One arena attempt; at the budget, the other arena's cache is released first. */
-static spw_status try_arena(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
-    spw_status st = spw__arena_alloc(a, bytes, s, out);
-    if (st != SPW_ERR_OUT_OF_MEMORY) return st;
-    size_t got = 0;
-    spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
-    if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
-    return got ? spw__arena_alloc(a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
-}
-
 /* Ask the policy for the next victim and evict it. SPW_ERR_OUT_OF_MEMORY (no message) when
  * there is none. */
 static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int for_prefetch) {
@@ -213,7 +203,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
     size_t need = SPW_ALIGN_UP(bytes, 512);
     for (;;) {
         if (!tried && (obtainable(ctx) >= need || !may_evict)) {
-            spw_status st = try_arena(ctx, a, bytes, s, out);
+            spw_status st = spw__ctx_alloc_block(ctx, a, bytes, s, out);
             if (st != SPW_ERR_OUT_OF_MEMORY) return st;
         }
         tried = false;
@@ -221,7 +211,8 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
         spw_status st = evict_next(ctx, need, incoming, for_prefetch);
         if (st == SPW_ERR_OUT_OF_MEMORY) {
             /* nothing left to evict: one last attempt if the budget might fit after all */
-            return obtainable(ctx) >= need ? try_arena(ctx, a, bytes, s, out) : SPW_ERR_OUT_OF_MEMORY;
+            return obtainable(ctx) >= need ? spw__ctx_alloc_block(ctx, a, bytes, s, out)
+                                           : SPW_ERR_OUT_OF_MEMORY;
         }
         if (st) return st;
     }
