@@ -17,74 +17,18 @@
  * thread-local read when it already is), so a thread that never chose a device does not
  * initialise device 0, and the application's current device may change after a spillway call.
  *
- * VMM: map creates one physical allocation per granule and maps each separately, so that unmap
- * may take back any granule-aligned subrange of mapped memory (cuMemUnmap cannot split a
- * mapping). Per reservation, an array indexed by granule holds the handles.
- */
-#include <cuda.h> /* types and enums only: never call a cu* symbol directly */
-#include <cudaTypedefs.h>
-#include <cuda_runtime_api.h>
-#include <pthread.h>
-#include <stdio.h>
+ * VMM: backend_cuda_vmm.c.
+ */#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-
-/* The ABI version of the driver entry points requested; the PFN_*_v* typedefs below match it. */
-#define SPW_CUDA_ENTRY_VERSION 12000
-
-_Static_assert(sizeof(void *) == sizeof(PFN_cuMemCreate_v10020),
-               "function pointers must be the size of void* to come from the entry-point query");
-
-/* Driver entry points, resolved at create. vmm_ok is 1 only if all VMM ones resolved. */
-typedef struct cu_fns {
-    PFN_cuGetErrorString_v6000 get_error_string; /* optional: messages only */
-    PFN_cuDeviceGet_v2000 device_get;
-    PFN_cuDeviceGetAttribute_v2000 device_get_attribute;
-    PFN_cuMemGetAllocationGranularity_v10020 get_granularity;
-    PFN_cuMemAddressReserve_v10020 address_reserve;
-    PFN_cuMemAddressFree_v10020 address_free;
-    PFN_cuMemCreate_v10020 create;
-    PFN_cuMemRelease_v10020 release;
-    PFN_cuMemMap_v10020 map;
-    PFN_cuMemUnmap_v10020 unmap;
-    PFN_cuMemSetAccess_v10020 set_access;
-    int vmm_ok;
-} cu_fns;
-
-/* One va_reserve: [base, base + bytes), bytes a multiple of the granularity. mapped[i] says
- * whether granule i is mapped, and handles[i] is then its physical allocation. */
-typedef struct cuda_resv {
-    uintptr_t base;
-    size_t bytes;
-    size_t granules;
-    size_t mapped_count;
-    CUmemGenericAllocationHandle *handles;
-    unsigned char *mapped;
-    struct cuda_resv *next;
-} cuda_resv;
-
-typedef struct cuda_backend {
-    spw_backend base; /* first: spw_backend * and cuda_backend * convert both ways */
-    spw_backend_ops ops; /* per instance: VMM entries are NULL when VMM is unavailable */
-    cu_fns cu;
-    CUdevice cudev;
-    size_t granularity; /* 0 when VMM is unavailable */
-    int vmm_supported;
-    int concurrent_managed;
-    int pageable_access;
-    pthread_mutex_t lock; /* guards resv: map/unmap may come from several threads */
-    cuda_resv *resv;
-} cuda_backend;
-
-static cuda_backend *as_cuda(spw_backend *b) { return (cuda_backend *)b; }
+#include "backend_cuda.h"
 
 /* ---- errors ---- */
 
 /* Runtime failure: record the message, clear the runtime's last error, return `status`. */
 SPW_PRINTF(3, 4)
-static spw_status rt_fail(spw_status status, cudaError_t e, const char *fmt, ...) {
+spw_status spw__cuda_rt_fail(spw_status status, cudaError_t e, const char *fmt, ...) {
     char what[256];
     va_list ap;
     va_start(ap, fmt);
@@ -95,19 +39,13 @@ static spw_status rt_fail(spw_status status, cudaError_t e, const char *fmt, ...
 }
 
 /* Default mapping for runtime errors: device exhaustion is SPW_ERR_OUT_OF_MEMORY. */
-static spw_status rt_status(cudaError_t e) {
+spw_status spw__cuda_rt_status(cudaError_t e) {
     return e == cudaErrorMemoryAllocation ? SPW_ERR_OUT_OF_MEMORY : SPW_ERR_BACKEND;
 }
 
-#define RT_CHECK(call, ...)                                                                    \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (SPW_UNLIKELY(e_ != cudaSuccess)) return rt_fail(rt_status(e_), e_, __VA_ARGS__);   \
-    } while (0)
-
 /* Driver failure, from an entry point. */
 SPW_PRINTF(4, 5)
-static spw_status cu_fail(const cuda_backend *c, spw_status status, CUresult r, const char *fmt,
+spw_status spw__cuda_cu_fail(const cuda_backend *c, spw_status status, CUresult r, const char *fmt,
                           ...) {
     char what[256];
     va_list ap;
@@ -120,12 +58,12 @@ static spw_status cu_fail(const cuda_backend *c, spw_status status, CUresult r, 
     return spw__error(status, "cuda: %s failed: %s (CUresult %d)", what, s, (int)r);
 }
 
-static spw_status cu_status(CUresult r) {
+spw_status spw__cuda_cu_status(CUresult r) {
     return r == CUDA_ERROR_OUT_OF_MEMORY ? SPW_ERR_OUT_OF_MEMORY : SPW_ERR_BACKEND;
 }
 
 /* Make the backend's device current on the calling thread (cheap when it already is). */
-static spw_status bind_device(const cuda_backend *c) {
+spw_status spw__cuda_bind(const cuda_backend *c) {
     int cur = -1;
     cudaError_t e = cudaGetDevice(&cur);
     if (e == cudaSuccess && cur == c->base.device) return SPW_OK;
@@ -133,12 +71,6 @@ static spw_status bind_device(const cuda_backend *c) {
     RT_CHECK(cudaSetDevice(c->base.device), "cudaSetDevice(%d)", c->base.device);
     return SPW_OK;
 }
-
-#define BIND(c)                                                                                \
-    do {                                                                                       \
-        spw_status s_ = bind_device(c);                                                        \
-        if (s_ != SPW_OK) return s_;                                                           \
-    } while (0)
 
 /* ---- availability and driver entry points ---- */
 
@@ -184,35 +116,6 @@ static void resolve_all(cu_fns *fns) {
     ok &= RESOLVE("cuMemUnmap", unmap);
     ok &= RESOLVE("cuMemSetAccess", set_access);
     fns->vmm_ok = ok;
-}
-
-static CUmemAllocationProp pinned_prop(const cuda_backend *c) {
-    CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = (int)c->cudev;
-    return prop;
-}
-
-/* Decide whether VMM is usable: the device says so, every entry point resolved, and the
- * recommended granularity is a sane power of two. Any failure here just turns VMM off. */
-static void probe_vmm(cuda_backend *c) {
-    c->vmm_supported = 0;
-    c->granularity = 0;
-    if (!c->cu.vmm_ok) return;
-    if (c->cu.device_get(&c->cudev, c->base.device) != CUDA_SUCCESS) return;
-    int attr = 0;
-    if (c->cu.device_get_attribute(&attr, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                                   c->cudev) != CUDA_SUCCESS || !attr)
-        return;
-    CUmemAllocationProp prop = pinned_prop(c);
-    size_t g = 0;
-    if (c->cu.get_granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS)
-        return;
-    if (g == 0 || (g & (g - 1)) != 0) return;
-    c->granularity = g;
-    c->vmm_supported = 1;
 }
 
 /* ---- device info ---- */
@@ -272,232 +175,6 @@ static spw_status cuda_dev_free(spw_backend *b, void *ptr) {
     return SPW_OK;
 }
 
-/* ---- virtual memory ---- */
-
-/* The reservation containing [addr, addr + bytes), or NULL. Called with c->lock held. */
-static cuda_resv *find_resv(cuda_backend *c, uintptr_t addr, size_t bytes) {
-    for (cuda_resv *r = c->resv; r; r = r->next)
-        if (addr >= r->base && addr - r->base < r->bytes && bytes <= r->bytes - (addr - r->base))
-            return r;
-    return NULL;
-}
-
-static void free_resv(cuda_resv *r) {
-    if (!r) return;
-    free(r->handles);
-    free(r->mapped);
-    free(r);
-}
-
-static spw_status vmm_unsupported(const cuda_backend *c, const char *op) {
-    return spw__error(SPW_ERR_UNSUPPORTED, "cuda: %s: virtual memory management unavailable on "
-                      "device %d (device attribute or driver entry points missing)",
-                      op, c->base.device);
-}
-
-static spw_status cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
-    cuda_backend *c = as_cuda(b);
-    if (!c->vmm_supported) return vmm_unsupported(c, "va_reserve");
-    size_t g = c->granularity;
-    if (!va || bytes == 0 || bytes > SIZE_MAX - g)
-        return spw__error(SPW_ERR_INVALID_ARGUMENT, "cuda: va_reserve(%zu B): bad size or NULL out",
-                          bytes);
-    BIND(c);
-    size_t rounded = SPW_ALIGN_UP(bytes, g);
-    cuda_resv *r = calloc(1, sizeof *r);
-    size_t n = rounded / g;
-    if (r) {
-        r->handles = calloc(n, sizeof *r->handles);
-        r->mapped = calloc(n, 1);
-    }
-    if (!r || !r->handles || !r->mapped) {
-        free_resv(r);
-        return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
-                          "cuda: va_reserve(%zu B): no host memory for %zu granule records", bytes,
-                          n);
-    }
-    CUdeviceptr p = 0;
-    CUresult res = c->cu.address_reserve(&p, rounded, g, 0, 0);
-    if (res != CUDA_SUCCESS) {
-        free_resv(r);
-        return cu_fail(c, cu_status(res), res, "cuMemAddressReserve(%zu B, align %zu B)", rounded,
-                       g);
-    }
-    r->base = (uintptr_t)p;
-    r->bytes = rounded;
-    r->granules = n;
-    pthread_mutex_lock(&c->lock);
-    r->next = c->resv;
-    c->resv = r;
-    pthread_mutex_unlock(&c->lock);
-    *va = (void *)r->base;
-    return SPW_OK;
-}
-
-/* Unmap and release granules [first, first + count) of r, all mapped. Returns the first error;
- * granules whose unmap failed stay recorded as mapped. Called with c->lock held. */
-static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, size_t count) {
-    spw_status st = SPW_OK;
-    size_t g = c->granularity;
-    for (size_t i = first; i < first + count; i++) {
-        CUdeviceptr addr = (CUdeviceptr)(r->base + i * g);
-        CUresult res = c->cu.unmap(addr, g);
-        if (res != CUDA_SUCCESS) {
-            if (st == SPW_OK)
-                st = cu_fail(c, SPW_ERR_BACKEND, res, "cuMemUnmap(0x%llx, %zu B)",
-                             (unsigned long long)addr, g);
-            continue;
-        }
-        r->mapped[i] = 0;
-        r->mapped_count--;
-        res = c->cu.release(r->handles[i]);
-        r->handles[i] = 0;
-        if (res != CUDA_SUCCESS && st == SPW_OK)
-            st = cu_fail(c, SPW_ERR_BACKEND, res, "cuMemRelease(granule at 0x%llx)",
-                         (unsigned long long)addr);
-    }
-    return st;
-}
-
-/* Check that [va, va + bytes) is granule-aligned and inside one reservation; sets *r, *first,
- * *count. Called with c->lock held. */
-static spw_status locate(cuda_backend *c, const char *op, void *va, size_t bytes, cuda_resv **r,
-                         size_t *first, size_t *count) {
-    size_t g = c->granularity;
-    uintptr_t a = (uintptr_t)va;
-    if (!va || bytes == 0 || a % g != 0 || bytes % g != 0)
-        return spw__error(SPW_ERR_INVALID_ARGUMENT,
-                          "cuda: %s(%p, %zu B): address and size must be non-zero multiples of "
-                          "the granularity %zu B",
-                          op, va, bytes, g);
-    *r = find_resv(c, a, bytes);
-    if (!*r)
-        return spw__error(SPW_ERR_NOT_FOUND, "cuda: %s(%p, %zu B): not inside one reservation", op,
-                          va, bytes);
-    *first = (a - (*r)->base) / g;
-    *count = bytes / g;
-    return SPW_OK;
-}
-
-static spw_status cuda_map(spw_backend *b, void *va, size_t bytes) {
-    cuda_backend *c = as_cuda(b);
-    if (!c->vmm_supported) return vmm_unsupported(c, "map");
-    BIND(c);
-    size_t g = c->granularity;
-    pthread_mutex_lock(&c->lock);
-    cuda_resv *r = NULL;
-    size_t first = 0, count = 0;
-    spw_status st = locate(c, "map", va, bytes, &r, &first, &count);
-    for (size_t i = first; st == SPW_OK && i < first + count; i++)
-        if (r->mapped[i])
-            st = spw__error(SPW_ERR_STATE, "cuda: map(%p, %zu B): granule at %p is already mapped",
-                            va, bytes, (void *)(r->base + i * g));
-    if (st != SPW_OK) {
-        pthread_mutex_unlock(&c->lock);
-        return st;
-    }
-    CUmemAllocationProp prop = pinned_prop(c);
-    size_t done = 0;
-    for (; done < count; done++) {
-        size_t i = first + done;
-        CUdeviceptr addr = (CUdeviceptr)(r->base + i * g);
-        CUmemGenericAllocationHandle h = 0;
-        CUresult res = c->cu.create(&h, g, &prop, 0);
-        if (res != CUDA_SUCCESS) {
-            st = cu_fail(c, cu_status(res), res,
-                         "cuMemCreate(%zu B) for granule %zu of %zu in map(%p, %zu B)", g, done + 1,
-                         count, va, bytes);
-            break;
-        }
-        res = c->cu.map(addr, g, 0, h, 0);
-        if (res != CUDA_SUCCESS) {
-            (void)c->cu.release(h);
-            st = cu_fail(c, cu_status(res), res, "cuMemMap(0x%llx, %zu B) in map(%p, %zu B)",
-                         (unsigned long long)addr, g, va, bytes);
-            break;
-        }
-        r->handles[i] = h;
-        r->mapped[i] = 1;
-        r->mapped_count++;
-    }
-    if (st == SPW_OK) {
-        CUmemAccessDesc acc;
-        memset(&acc, 0, sizeof acc);
-        acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        acc.location.id = (int)c->cudev;
-        acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        CUresult res = c->cu.set_access((CUdeviceptr)(uintptr_t)va, bytes, &acc, 1);
-        if (res != CUDA_SUCCESS)
-            st = cu_fail(c, cu_status(res), res, "cuMemSetAccess(%p, %zu B, read/write)", va,
-                         bytes);
-    }
-    if (st != SPW_OK && done > 0) {
-        /* A failed map maps nothing: take back what this call created. The first error's
-         * message is the one reported. */
-        char keep[1024];
-        snprintf(keep, sizeof keep, "%s", spw_last_error());
-        (void)unmap_granules(c, r, first, done);
-        spw__error(st, "%s", keep);
-    }
-    pthread_mutex_unlock(&c->lock);
-    return st;
-}
-
-/* Any granule-aligned subrange of mapped memory, even one spanning several maps. Nothing is
- * unmapped unless every granule in the range is mapped. The caller must have ordered all device
- * work using the range before this call (cuMemUnmap does not wait for it). */
-static spw_status cuda_unmap(spw_backend *b, void *va, size_t bytes) {
-    cuda_backend *c = as_cuda(b);
-    if (!c->vmm_supported) return vmm_unsupported(c, "unmap");
-    BIND(c);
-    pthread_mutex_lock(&c->lock);
-    cuda_resv *r = NULL;
-    size_t first = 0, count = 0;
-    spw_status st = locate(c, "unmap", va, bytes, &r, &first, &count);
-    for (size_t i = first; st == SPW_OK && i < first + count; i++)
-        if (!r->mapped[i])
-            st = spw__error(SPW_ERR_STATE, "cuda: unmap(%p, %zu B): granule at %p is not mapped",
-                            va, bytes, (void *)(r->base + i * c->granularity));
-    if (st == SPW_OK) st = unmap_granules(c, r, first, count);
-    pthread_mutex_unlock(&c->lock);
-    return st;
-}
-
-/* va and bytes as given to (or returned by) va_reserve; every granule must be unmapped. */
-static spw_status cuda_va_release(spw_backend *b, void *va, size_t bytes) {
-    cuda_backend *c = as_cuda(b);
-    if (!c->vmm_supported) return vmm_unsupported(c, "va_release");
-    BIND(c);
-    size_t g = c->granularity;
-    pthread_mutex_lock(&c->lock);
-    cuda_resv **pp = &c->resv;
-    while (*pp && (*pp)->base != (uintptr_t)va) pp = &(*pp)->next;
-    cuda_resv *r = *pp;
-    spw_status st = SPW_OK;
-    if (!r)
-        st = spw__error(SPW_ERR_NOT_FOUND, "cuda: va_release(%p, %zu B): no reservation at %p", va,
-                        bytes, va);
-    else if (bytes > SIZE_MAX - g || SPW_ALIGN_UP(bytes, g) != r->bytes)
-        st = spw__error(SPW_ERR_INVALID_ARGUMENT,
-                        "cuda: va_release(%p, %zu B): the reservation is %zu B", va, bytes,
-                        r->bytes);
-    else if (r->mapped_count > 0)
-        st = spw__error(SPW_ERR_STATE,
-                        "cuda: va_release(%p, %zu B): %zu granule(s) of %zu B still mapped", va,
-                        bytes, r->mapped_count, g);
-    if (st == SPW_OK) {
-        CUresult res = c->cu.address_free((CUdeviceptr)r->base, r->bytes);
-        if (res != CUDA_SUCCESS) {
-            st = cu_fail(c, SPW_ERR_BACKEND, res, "cuMemAddressFree(%p, %zu B)", va, r->bytes);
-        } else {
-            *pp = r->next;
-            free_resv(r);
-        }
-    }
-    pthread_mutex_unlock(&c->lock);
-    return st;
-}
-
 /* ---- pinned host memory ---- */
 
 static spw_status cuda_host_alloc(spw_backend *b, size_t bytes, void **out) {
@@ -509,7 +186,7 @@ static spw_status cuda_host_alloc(spw_backend *b, size_t bytes, void **out) {
     void *p = NULL;
     cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
     if (e != cudaSuccess)
-        return rt_fail(SPW_ERR_HOST_OUT_OF_MEMORY, e, "cudaHostAlloc(%zu B)", bytes);
+        return spw__cuda_rt_fail(SPW_ERR_HOST_OUT_OF_MEMORY, e, "cudaHostAlloc(%zu B)", bytes);
     *out = p;
     return SPW_OK;
 }
@@ -532,7 +209,7 @@ static spw_status cuda_host_register(spw_backend *b, void *ptr, size_t bytes) {
         spw_status st = e == cudaErrorMemoryAllocation              ? SPW_ERR_HOST_OUT_OF_MEMORY
                         : e == cudaErrorHostMemoryAlreadyRegistered ? SPW_ERR_STATE
                                                                     : SPW_ERR_BACKEND;
-        return rt_fail(st, e, "cudaHostRegister(%p, %zu B)", ptr, bytes);
+        return spw__cuda_rt_fail(st, e, "cudaHostRegister(%p, %zu B)", ptr, bytes);
     }
     return SPW_OK;
 }
@@ -542,7 +219,7 @@ static spw_status cuda_host_unregister(spw_backend *b, void *ptr) {
     BIND(as_cuda(b));
     cudaError_t e = cudaHostUnregister(ptr);
     if (e != cudaSuccess)
-        return rt_fail(e == cudaErrorHostMemoryNotRegistered ? SPW_ERR_STATE : SPW_ERR_BACKEND, e,
+        return spw__cuda_rt_fail(e == cudaErrorHostMemoryNotRegistered ? SPW_ERR_STATE : SPW_ERR_BACKEND, e,
                        "cudaHostUnregister(%p)", ptr);
     return SPW_OK;
 }
@@ -690,7 +367,7 @@ static spw_status cuda_event_query(spw_backend *b, spw_event e) {
         (void)cudaGetLastError(); /* not sticky, but keep the application's slot clean */
         return spw__error(SPW_ERR_NOT_READY, "cuda: event %p not complete", (void *)e);
     }
-    return rt_fail(SPW_ERR_BACKEND, r, "cudaEventQuery(%p)", (void *)e);
+    return spw__cuda_rt_fail(SPW_ERR_BACKEND, r, "cudaEventQuery(%p)", (void *)e);
 }
 
 static spw_status cuda_event_sync(spw_backend *b, spw_event e) {
@@ -749,17 +426,8 @@ static spw_status cuda_launch_host(spw_backend *b, spw_stream s, void (*fn)(void
 static void cuda_destroy(spw_backend *b) {
     if (!b) return;
     cuda_backend *c = as_cuda(b);
-    (void)bind_device(c);
-    pthread_mutex_lock(&c->lock);
-    while (c->resv) {
-        cuda_resv *r = c->resv;
-        c->resv = r->next;
-        for (size_t i = 0; i < r->granules; i++)
-            if (r->mapped[i]) (void)unmap_granules(c, r, i, 1);
-        (void)c->cu.address_free((CUdeviceptr)r->base, r->bytes);
-        free_resv(r);
-    }
-    pthread_mutex_unlock(&c->lock);
+    (void)spw__cuda_bind(c);
+    spw__cuda_vmm_release_all(c);
     pthread_mutex_destroy(&c->lock);
     free(c);
 }
@@ -771,10 +439,10 @@ static const spw_backend_ops cuda_ops = {
     .mem_info = cuda_mem_info,
     .dev_alloc = cuda_dev_alloc,
     .dev_free = cuda_dev_free,
-    .va_reserve = cuda_va_reserve,
-    .va_release = cuda_va_release,
-    .map = cuda_map,
-    .unmap = cuda_unmap,
+    .va_reserve = spw__cuda_va_reserve,
+    .va_release = spw__cuda_va_release,
+    .map = spw__cuda_map,
+    .unmap = spw__cuda_unmap,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .host_register = cuda_host_register,
@@ -805,7 +473,7 @@ spw_status spw__backend_cuda_create(const spw_backend_params *p, spw_backend **o
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess)
-        return rt_fail(SPW_ERR_NO_DEVICE, e, "no usable CUDA device: cudaGetDeviceCount");
+        return spw__cuda_rt_fail(SPW_ERR_NO_DEVICE, e, "no usable CUDA device: cudaGetDeviceCount");
     if (n <= 0)
         return spw__error(SPW_ERR_NO_DEVICE, "cuda: no CUDA device present (cudaGetDeviceCount = 0)");
     if (dev < 0 || dev >= n)
@@ -832,7 +500,7 @@ spw_status spw__backend_cuda_create(const spw_backend_params *p, spw_backend **o
     c->pageable_access = pageable != 0;
 
     resolve_all(&c->cu);
-    probe_vmm(c);
+    spw__cuda_probe_vmm(c);
     c->ops = cuda_ops;
     if (!c->vmm_supported) {
         c->ops.va_reserve = NULL;
