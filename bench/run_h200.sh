@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
-#   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim]   (default: all)
+#   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed]   (default: all)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
-steps=${*:-build test shim replay alloc probe stream}
+steps=${*:-build test shim replay alloc probe stream managed}
 has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $* ($(date +%T))"; }
 rc=0
@@ -66,6 +66,17 @@ if has stream; then
   for early in 1 2 4; do
     echo "--- SPILLWAY_CONF=prefetch_early=$early spillway bench stream $common --batch 4096 --policy plan"
     SPILLWAY_CONF=prefetch_early=$early ./build/spillway bench stream $common --batch 4096 --policy plan 2>&1 | grep -E "^plan|moved" | tee -a "$OUT/bench-stream.txt"
+  done
+fi
+if has managed; then
+  # managed residency: the raw CUDA pipeline (bench/dev/managed_pipe.cu, variants 0 = pinned
+  # copies, 1 = what the library does) and the library bench, alternating, on one machine
+  log managed
+  nvcc -O2 -std=c++17 -o /tmp/managed_pipe bench/dev/managed_pipe.cu -lpthread || rc=1
+  for r in 1 2 3; do
+    timeout 120 /tmp/managed_pipe 0,1 2>&1 | grep -E "^ *[01] " | tee -a "$OUT/managed.txt"
+    ./build/spillway bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB --residency managed \
+      --policy lru 2>&1 | grep -E "^lru" | sed 's/^/library /' | tee -a "$OUT/managed.txt" || rc=1
   done
 fi
 log "done rc=$rc"
