@@ -31,6 +31,11 @@ __global__ void readk(const uint4 *p, size_t n, unsigned long long *out) {
     atomicAdd(out, s);
 }
 
+__global__ void fillk(uint64_t *p, size_t n, int l) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = i * 8 * 2654435761u + l;
+}
+
 struct Stat { double sum = 0, mx = 0; long n = 0; void add(double v) { sum += v; mx = std::max(mx, v); n++; } };
 
 enum Mode { RM_MAIN = 1, RM_UNSET_ONLY, RM_THREAD, MIGRATE, PINNED, RM_WORKERS, MIG_WORKERS };
@@ -94,7 +99,8 @@ struct Helper {  // collapses replicas off the main thread
 
 int main(int argc, char **argv) {
     int pop = getenv("POP") ? atoi(getenv("POP")) : 0;
-    printf("population: %s\n", pop ? "device, then migrated to host" : "cpu first touch");
+    printf("population: %s\n", pop == 2 ? "written by a kernel, migrated to host, never mapped by the cpu"
+                                : pop ? "device, then migrated to host, cpu writes" : "cpu first touch");
     double link;
     std::vector<char*> L(N); char *pin; std::vector<char*> slot(SLOTS);
     unsigned long long *out; CK(cudaMalloc(&out, 8));
@@ -103,11 +109,18 @@ int main(int argc, char **argv) {
     CK(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking));
     for (int l = 0; l < N; l++) {
         CK(cudaMallocManaged(&L[l], LB));
-        if (pop) {  // host pages allocated by a migration from the device (see managed_pop.cu)
-            CK(cudaMemPrefetchAsync(L[l], LB, DEV, 0, d2h)); CK(cudaMemPrefetchAsync(L[l], LB, HOST, 0, d2h));
+        if (pop == 2) {  // the cpu never maps these pages: no cpu mapping to revoke on prefetch
+            fillk<<<264, 512, 0, d2h>>>((uint64_t *)L[l], LB / 8, l);
+            CK(cudaGetLastError());
+            CK(cudaMemPrefetchAsync(L[l], LB, HOST, 0, d2h));
             CK(cudaStreamSynchronize(d2h));
+        } else {
+            if (pop) {  // host pages allocated by a migration from the device (see managed_pop.cu)
+                CK(cudaMemPrefetchAsync(L[l], LB, DEV, 0, d2h)); CK(cudaMemPrefetchAsync(L[l], LB, HOST, 0, d2h));
+                CK(cudaStreamSynchronize(d2h));
+            }
+            for (size_t k = 0; k < LB; k += 8) *(uint64_t*)(L[l] + k) = k * 2654435761u + l;
         }
-        for (size_t k = 0; k < LB; k += 8) *(uint64_t*)(L[l] + k) = k * 2654435761u + l;
         CK(cudaMemAdvise(L[l], LB, cudaMemAdviseSetPreferredLocation, HOST));
     }
     {   // pinned link rate
@@ -118,7 +131,7 @@ int main(int argc, char **argv) {
         printf("pinned link %.1f GB/s; link bound for %d x 128 MiB: %.2f ms/pass\n", link, N, N * LB / (link * 1e6));
         for (auto &s : slot) CK(cudaMalloc(&s, LB));
     }
-    {   // isolated prefetch rate, read-mostly set, split over k streams
+    if (!getenv("SKIPISO")) {   // isolated prefetch rate, read-mostly set, split over k streams
         for (int split : {1, 2, 4}) for (int rm : {1, 0}) {
             double tot = 0; int moved = 0;
             for (int r = 0; r < 2; r++) {
