@@ -4,7 +4,7 @@ JOBS  ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 TRACES ?= ../shared/traces
 
-.PHONY: all build deps test test-gpu demo install clean sanitize
+.PHONY: all build deps test test-gpu demo install clean sanitize sanitize-gpu
 
 all: build
 
@@ -57,5 +57,14 @@ sanitize: deps
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency
 
+# The cuda backend under AddressSanitizer + UndefinedBehaviorSanitizer (GPU machine). The CUDA
+# driver needs the shadow gap; leaks are checked by the emu build above (the driver keeps
+# allocations until exit).
+sanitize-gpu: deps
+	cmake -S . -B build-asan-cuda -DSPW_SANITIZE=address -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build-asan-cuda -j $(JOBS)
+	cd build-asan-cuda && SPW_TEST_BACKEND=cuda ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 \
+	  UBSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j 1 -E '^shim'
+
 clean:
-	rm -rf $(BUILD) build-asan build-tsan
+	rm -rf $(BUILD) build-asan build-tsan build-asan-cuda
