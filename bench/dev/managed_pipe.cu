@@ -38,7 +38,7 @@ __global__ void fillk(uint64_t *p, size_t n, int l) {
 
 struct Stat { double sum = 0, mx = 0; long n = 0; void add(double v) { sum += v; mx = std::max(mx, v); n++; } };
 
-enum Mode { RM_MAIN = 1, RM_UNSET_ONLY, RM_THREAD, MIGRATE, PINNED, RM_WORKERS, MIG_WORKERS };
+enum Mode { RM_MAIN = 1, RM_UNSET_ONLY, RM_THREAD, MIGRATE, PINNED, RM_WORKERS, MIG_WORKERS, RM_BATCH };
 struct Cfg { const char *name; Mode mode; int depth; int split; int workers = 0; };
 
 // Prefetch workers: each issues cudaMemPrefetchAsync on its own stream and records the chunk's
@@ -165,6 +165,8 @@ int main(int argc, char **argv) {
         {"rm, collapse on a helper thread, 2 streams", RM_THREAD, 2, 2},
         {"rm, 2 prefetch threads, 2 chunks, depth 2", RM_WORKERS, 2, 2, 2},
         {"rm, 4 prefetch threads, 4 chunks, depth 4", RM_WORKERS, 4, 4, 4},
+        {"rm, main thread, cudaMemPrefetchBatchAsync of 8 x 16 MiB", RM_BATCH, 2, 8},
+        {"rm, main thread, cudaMemPrefetchBatchAsync of 64 x 2 MiB", RM_BATCH, 2, 64},
     };
     const char *only = argc > 1 ? argv[1] : nullptr;
     for (size_t ci = 0; ci < cfgs.size(); ci++) {
@@ -187,11 +189,11 @@ int main(int argc, char **argv) {
         if (c.mode == RM_THREAD || c.mode == RM_WORKERS) H.t = std::thread(&Helper::run, &H);
         long tick = 0; int nres = 0; std::vector<double> pass;
         auto poll = [&] {
-            if (c.mode != RM_MAIN && c.mode != RM_UNSET_ONLY) return;
+            if (c.mode != RM_MAIN && c.mode != RM_UNSET_ONLY && c.mode != RM_BATCH) return;
             while (!cq.empty() && cudaEventQuery(use[cq.front()]) == cudaSuccess) {
                 int v = cq.front(); cq.pop_front(); double t0 = now();
                 CK(cudaMemAdvise(L[v], LB, cudaMemAdviseUnsetReadMostly, DEV));
-                if (c.mode == RM_MAIN) CK(cudaMemAdvise(L[v], LB, cudaMemAdviseSetReadMostly, DEV)); else rmset[v] = 0;
+                if (c.mode != RM_UNSET_ONLY) CK(cudaMemAdvise(L[v], LB, cudaMemAdviseSetReadMostly, DEV)); else rmset[v] = 0;
                 adv.add(now() - t0); pending[v] = 0;
             }
         };
@@ -204,16 +206,21 @@ int main(int argc, char **argv) {
             else if (c.mode == MIGRATE) { CK(cudaStreamWaitEvent(d2h, use[v])); CK(cudaMemPrefetchAsync(L[v], LB, HOST, 0, d2h)); CK(cudaEventRecord(ready[v], d2h)); }
             else if (c.mode == MIG_WORKERS) { Wk.home[v] = 0; Wk.push(c.workers, {v, 0, true}); }
             else if (c.mode == RM_THREAD || c.mode == RM_WORKERS) { std::lock_guard<std::mutex> g(H.m); pending[v] = 1; H.q.push_back(v); H.cv.notify_one(); }
-            else { pending[v] = 1; cq.push_back(v); }
+            else { pending[v] = 1; cq.push_back(v); }  // RM_MAIN, RM_UNSET_ONLY, RM_BATCH
         };
         auto make_res = [&](int l, int cur) {
             if (res[l]) return;
             while (nres >= SLOTS) evict_one(cur);
             if (c.mode == RM_THREAD || c.mode == RM_WORKERS) for (;;) { std::lock_guard<std::mutex> g(H.m); if (!pending[l]) break; }
-            if (c.mode == RM_MAIN || c.mode == RM_UNSET_ONLY) { while (pending[l]) { CK(cudaEventSynchronize(use[cq.front()])); poll(); } }
+            if (c.mode == RM_MAIN || c.mode == RM_UNSET_ONLY || c.mode == RM_BATCH) { while (pending[l]) { CK(cudaEventSynchronize(use[cq.front()])); poll(); } }
             if (c.mode == RM_UNSET_ONLY && !rmset[l]) { double t0 = now(); CK(cudaMemAdvise(L[l], LB, cudaMemAdviseSetReadMostly, DEV)); adv.add(now() - t0); rmset[l] = 1; }
             double t0 = now();
-            if (wk) {
+            if (c.mode == RM_BATCH) {
+                std::vector<void *> ptrs(c.split); std::vector<size_t> sizes(c.split, LB / c.split); size_t idx0 = 0;
+                for (int k = 0; k < c.split; k++) ptrs[k] = L[l] + k * (LB / c.split);
+                CK(cudaMemPrefetchBatchAsync(ptrs.data(), sizes.data(), c.split, &DEV, &idx0, 1, 0, h2d[0]));
+                CK(cudaEventRecord(ready[l], h2d[0]));
+            } else if (wk) {
                 for (int k = 0; k < c.split; k++) { Wk.issued[l * 8 + k] = 0; Wk.push((l * c.split + k) % c.workers, {l, k, false}); }
             } else if (c.mode == PINNED) {
                 int s = freeslots.back(); freeslots.pop_back(); slot_of[l] = s;
