@@ -46,7 +46,7 @@ spw_status spw__cuda_rt_status(cudaError_t e) {
 /* Driver failure, from an entry point. */
 SPW_PRINTF(4, 5)
 spw_status spw__cuda_cu_fail(const cuda_backend *c, spw_status status, CUresult r, const char *fmt,
-                          ...) {
+                             ...) {
     char what[256];
     va_list ap;
     va_start(ap, fmt);
@@ -219,8 +219,9 @@ static spw_status cuda_host_unregister(spw_backend *b, void *ptr) {
     BIND(as_cuda(b));
     cudaError_t e = cudaHostUnregister(ptr);
     if (e != cudaSuccess)
-        return spw__cuda_rt_fail(e == cudaErrorHostMemoryNotRegistered ? SPW_ERR_STATE : SPW_ERR_BACKEND, e,
-                       "cudaHostUnregister(%p)", ptr);
+        return spw__cuda_rt_fail(e == cudaErrorHostMemoryNotRegistered ? SPW_ERR_STATE
+                                                                       : SPW_ERR_BACKEND,
+                                 e, "cudaHostUnregister(%p)", ptr);
     return SPW_OK;
 }
 
@@ -475,7 +476,8 @@ spw_status spw__backend_cuda_create(const spw_backend_params *p, spw_backend **o
     if (e != cudaSuccess)
         return spw__cuda_rt_fail(SPW_ERR_NO_DEVICE, e, "no usable CUDA device: cudaGetDeviceCount");
     if (n <= 0)
-        return spw__error(SPW_ERR_NO_DEVICE, "cuda: no CUDA device present (cudaGetDeviceCount = 0)");
+        return spw__error(SPW_ERR_NO_DEVICE,
+                          "cuda: no CUDA device present (cudaGetDeviceCount = 0)");
     if (dev < 0 || dev >= n)
         return spw__error(SPW_ERR_INVALID_ARGUMENT,
                           "cuda: device %d does not exist (%d device(s) present: 0..%d)", dev, n,

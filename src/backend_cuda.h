@@ -71,21 +71,23 @@ spw_status spw__cuda_rt_fail(spw_status status, cudaError_t e, const char *fmt, 
 spw_status spw__cuda_rt_status(cudaError_t e);
 /* Driver failure, from an entry point. */
 SPW_PRINTF(4, 5)
-spw_status spw__cuda_cu_fail(const cuda_backend *c, spw_status status, CUresult r, const char *fmt, ...);
+spw_status spw__cuda_cu_fail(const cuda_backend *c, spw_status status, CUresult r, const char *fmt,
+                             ...);
 spw_status spw__cuda_cu_status(CUresult r);
 /* Make the backend's device current on the calling thread (cheap when it already is). */
 spw_status spw__cuda_bind(const cuda_backend *c);
 
-#define RT_CHECK(call, ...)                                                                    \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (SPW_UNLIKELY(e_ != cudaSuccess)) return spw__cuda_rt_fail(spw__cuda_rt_status(e_), e_, __VA_ARGS__);   \
+#define RT_CHECK(call, ...)                                                                        \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (SPW_UNLIKELY(e_ != cudaSuccess))                                                       \
+            return spw__cuda_rt_fail(spw__cuda_rt_status(e_), e_, __VA_ARGS__);                    \
     } while (0)
 
-#define BIND(c)                                                                                \
-    do {                                                                                       \
-        spw_status s_ = spw__cuda_bind(c);                                                        \
-        if (s_ != SPW_OK) return s_;                                                           \
+#define BIND(c)                                                                                    \
+    do {                                                                                           \
+        spw_status s_ = spw__cuda_bind(c);                                                         \
+        if (s_ != SPW_OK) return s_;                                                               \
     } while (0)
 
 /* ---- virtual memory (backend_cuda_vmm.c) ---- */

@@ -87,8 +87,8 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
     CUresult res = c->cu.address_reserve(&p, rounded, g, 0, 0);
     if (res != CUDA_SUCCESS) {
         free_resv(r);
-        return spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res, "cuMemAddressReserve(%zu B, align %zu B)", rounded,
-                       g);
+        return spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res,
+                                 "cuMemAddressReserve(%zu B, align %zu B)", rounded, g);
     }
     r->base = (uintptr_t)p;
     r->bytes = rounded;
@@ -112,7 +112,7 @@ static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, si
         if (res != CUDA_SUCCESS) {
             if (st == SPW_OK)
                 st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemUnmap(0x%llx, %zu B)",
-                             (unsigned long long)addr, g);
+                                       (unsigned long long)addr, g);
             continue;
         }
         r->mapped[i] = 0;
@@ -121,7 +121,7 @@ static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, si
         r->handles[i] = 0;
         if (res != CUDA_SUCCESS && st == SPW_OK)
             st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemRelease(granule at 0x%llx)",
-                         (unsigned long long)addr);
+                                   (unsigned long long)addr);
     }
     return st;
 }
@@ -172,15 +172,16 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
         CUresult res = c->cu.create(&h, g, &prop, 0);
         if (res != CUDA_SUCCESS) {
             st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res,
-                         "cuMemCreate(%zu B) for granule %zu of %zu in map(%p, %zu B)", g, done + 1,
-                         count, va, bytes);
+                                   "cuMemCreate(%zu B) for granule %zu of %zu in map(%p, %zu B)", g,
+                                   done + 1, count, va, bytes);
             break;
         }
         res = c->cu.map(addr, g, 0, h, 0);
         if (res != CUDA_SUCCESS) {
             (void)c->cu.release(h);
-            st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res, "cuMemMap(0x%llx, %zu B) in map(%p, %zu B)",
-                         (unsigned long long)addr, g, va, bytes);
+            st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res,
+                                   "cuMemMap(0x%llx, %zu B) in map(%p, %zu B)",
+                                   (unsigned long long)addr, g, va, bytes);
             break;
         }
         r->handles[i] = h;
@@ -195,8 +196,8 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
         acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         CUresult res = c->cu.set_access((CUdeviceptr)(uintptr_t)va, bytes, &acc, 1);
         if (res != CUDA_SUCCESS)
-            st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res, "cuMemSetAccess(%p, %zu B, read/write)", va,
-                         bytes);
+            st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res,
+                                   "cuMemSetAccess(%p, %zu B, read/write)", va, bytes);
     }
     if (st != SPW_OK && done > 0) {
         /* A failed map maps nothing: take back what this call created. The first error's
@@ -255,7 +256,8 @@ spw_status spw__cuda_va_release(spw_backend *b, void *va, size_t bytes) {
     if (st == SPW_OK) {
         CUresult res = c->cu.address_free((CUdeviceptr)r->base, r->bytes);
         if (res != CUDA_SUCCESS) {
-            st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemAddressFree(%p, %zu B)", va, r->bytes);
+            st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemAddressFree(%p, %zu B)", va,
+                                   r->bytes);
         } else {
             *pp = r->next;
             free_resv(r);
