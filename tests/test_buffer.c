@@ -352,6 +352,34 @@ static void test_managed(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* A destroy that cannot wait for the buffer's transfers fails and frees nothing: the buffer
+ * stays usable with its contents, and a later destroy frees everything. */
+static void test_destroy_failure_keeps_buffer(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=4MiB,grow_ahead=0");
+    spw_buf *b = NULL;
+    assert_ok(spw_buf_create(ctx, MiB, 0, &b));
+    void *d;
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_WRITE, &d));
+    kfill kf = {d, MiB, 0x5a};
+    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_evict(b)); /* write-back in flight (or done): the destroy must wait for it */
+    spw__emu_inject(ctx->backend, SPW_CALL_EVENT_SYNC, 1, 1);
+    assert_status(spw_buf_destroy(b), SPW_ERR_BACKEND);
+    assert_non_null(strstr(spw_last_error(), "nothing freed"));
+    spw__emu_clear_faults(ctx->backend);
+    check_contents(b, 0x5a);
+    assert_ok(spw_buf_destroy(b));
+    assert_status(spw_buf_destroy(b), SPW_ERR_STATE); /* destroyed once only: use after destroy */
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.buffers_host.current + st.buffers_resident.current, 0);
+    assert_int_equal(ctx->engine->events_live, 0);
+    spw_ctx_destroy(ctx);
+}
+
 /* ---- read-only managed buffers: read-mostly replicas ---- */
 
 typedef struct kcheck {
@@ -715,6 +743,7 @@ int main(void) {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
+        cmocka_unit_test(test_destroy_failure_keeps_buffer),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_options_stats_trace),
     };
