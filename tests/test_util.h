@@ -8,6 +8,7 @@
 #include <stdint.h>
 /* cmocka.h needs the above first */
 #include <cmocka.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -20,6 +21,15 @@ int test_on_emu(void);
 #define TEST_REQUIRE_EMU()                                                                     \
     do {                                                                                       \
         if (!test_on_emu()) skip();                                                            \
+    } while (0)
+/* Skip the current test, saying why, when the shared trace `name` is not readable (the traces
+ * live outside the repository, in ../shared/traces). */
+#define TEST_REQUIRE_TRACE(name)                                                               \
+    do {                                                                                       \
+        if (access(SPW_TRACES_DIR "/" name, R_OK) != 0) {                                      \
+            print_message("skipped: %s/%s is not readable\n", SPW_TRACES_DIR, name);           \
+            skip();                                                                            \
+        }                                                                                      \
     } while (0)
 /* assert a status, printing spw_last_error() on mismatch */
 #define assert_status(expr, want)                                                              \
