@@ -325,6 +325,123 @@ static int engine_configure(const sim_opts *o, const spw_access_trace *t, uint64
 }
 
 /* Run the whole trace through the engine. Returns the exit status (0, 1 or 2). */
+/* The per-buffer, per-item and per-op arrays of a run; 1 (said) when host memory runs out. */
+static int run_alloc(sim_run *r) {
+    const spw_access_trace *t = r->t;
+    r->bufs = calloc(t->nbufs ? t->nbufs : 1, sizeof *r->bufs);
+    r->ptrs = calloc(t->nitems ? t->nitems : 1, sizeof *r->ptrs);
+    r->expect = calloc(t->nitems ? t->nitems : 1, sizeof *r->expect);
+    r->stamp = calloc(t->nbufs ? t->nbufs : 1, sizeof *r->stamp);
+    r->cb = calloc(t->nops ? t->nops : 1, sizeof *r->cb);
+    r->last_op = malloc((t->nbufs ? t->nbufs : 1) * sizeof *r->last_op);
+    if (r->last_op) {
+        for (size_t b = 0; b < t->nbufs; b++) r->last_op[b] = SIZE_MAX;
+        for (size_t i = 0; i < t->nops; i++)
+            if (t->ops[i].kind == 'a')
+                for (size_t k = 0; k < t->ops[i].count; k++) r->last_op[t->items[t->ops[i].first + k].buf] = i;
+    }
+    if (!r->bufs || !r->ptrs || !r->expect || !r->stamp || !r->cb || !r->last_op) {
+        fprintf(stderr, "spillway simulate: out of host memory for %zu buffers\n", t->nbufs);
+        return 1;
+    }
+    return 0;
+}
+
+/* Print "trace:LINE: " and the failure of `what`; returns 1. */
+static int op_fail(const spw_access_op *op, const char *what, spw_status st) {
+    fprintf(stderr, "spillway simulate: trace:%zu: ", op->line);
+    spw_cli_fail(what, st);
+    return 1;
+}
+
+/* Every op of the trace through the engine, steps closed into res as they end; *last holds the
+ * statistics at the end of the last closed step. */
+static int run_ops(sim_run *r, sim_result *res, spw_stats *last) {
+    const spw_access_trace *t = r->t;
+    spw_status st;
+    bool step_open = false; /* spw_step_begin called and not ended */
+    long cur = -1;          /* step being recorded */
+    for (size_t i = 0; i < t->nops; i++) {
+        const spw_access_op *op = &t->ops[i];
+        if (op->kind == 's' || (op->kind == 'a' && cur < 0)) {
+            if (step_open && (st = spw_step_end(r->ctx)) != SPW_OK) return op_fail(op, "spw_step_end", st);
+            step_open = false;
+            if (cur >= 0 && close_step(r, res, (size_t)cur, last) != 0) return 1;
+            if (op->kind == 's' && (st = spw_step_begin(r->ctx)) != SPW_OK)
+                return op_fail(op, "spw_step_begin", st);
+            step_open = op->kind == 's';
+            cur = (long)op->step;
+            if (op->kind == 's') continue;
+        }
+        if (op->kind == 'a') {
+            if (run_access(r, i) != 0) return 1;
+        } else if (op->kind == 'b') {
+            unsigned flags = t->bufs[op->buf].read_only ? SPW_BUF_READ_ONLY : 0;
+            if ((st = spw_buf_create(r->ctx, t->bufs[op->buf].bytes, flags, &r->bufs[op->buf]))) {
+                char b[64];
+                fprintf(stderr, "spillway simulate: trace:%zu: buffer %llu (%s): ", op->line,
+                        (unsigned long long)t->bufs[op->buf].id,
+                        spw__fmt_bytes(b, sizeof b, t->bufs[op->buf].bytes));
+                spw_cli_fail("spw_buf_create", st);
+                return 1;
+            }
+        } else if (op->kind == 'f') {
+            st = spw_buf_destroy(r->bufs[op->buf]);
+            r->bufs[op->buf] = NULL;
+            if (st != SPW_OK) return op_fail(op, "spw_buf_destroy", st);
+        }
+    }
+    if (step_open && (st = spw_step_end(r->ctx)) != SPW_OK) {
+        spw_cli_fail("spw_step_end at the end of the trace", st);
+        return 1;
+    }
+    if (cur >= 0 && close_step(r, res, (size_t)cur, last) != 0) return 1;
+    return 0;
+}
+
+/* The run's totals: statistics from `first` to `last`, and the data check. */
+static void run_collect(const sim_run *r, const spw_stats *first, const spw_stats *last, sim_result *res) {
+    res->bytes_h2d = (uint64_t)(stat_total(last, "bytes_h2d") - stat_total(first, "bytes_h2d"));
+    res->bytes_d2h = (uint64_t)(stat_total(last, "bytes_d2h") - stat_total(first, "bytes_d2h"));
+    res->evictions_clean = stat_total(last, "evictions_clean");
+    res->evictions_dirty = stat_total(last, "evictions_dirty");
+    res->evictions = res->evictions_clean < 0 || res->evictions_dirty < 0
+                         ? -1 : res->evictions_clean + res->evictions_dirty;
+    res->stalls = stat_total(last, "stalls");
+    res->stall_ns = stat_total(last, "stall_ns");
+    res->prefetch_hits = stat_total(last, "prefetch_hits");
+    res->data_errors = r->errors;
+    if (r->errors) {
+        const spw_access_op *op = &r->t->ops[r->first_error_op];
+        fprintf(stderr, "spillway simulate: DATA ERROR: %zu reads found stale or lost data; the "
+                        "first at trace line %zu (found stamp %llu)\n", r->errors, op->line,
+                (unsigned long long)r->first_error_got);
+    }
+}
+
+/* Everything a run made, whatever state it stopped in; rc, or 1 if the teardown failed. */
+static int run_free(sim_run *r, int rc) {
+    spw_status st;
+    if (r->ctx && r->stream) spw_stream_synchronize(r->ctx, r->stream);
+    for (size_t b = 0; r->ctx && r->bufs && b < r->t->nbufs; b++)
+        if (r->bufs[b] && (st = spw_buf_destroy(r->bufs[b])) != SPW_OK) {
+            spw_cli_fail("cannot destroy a buffer at the end", st);
+            rc = rc ? rc : 1;
+        }
+    if (r->ctx && r->stream && (st = spw_stream_destroy(r->ctx, r->stream)) != SPW_OK) rc = rc ? rc : 1;
+    if (r->ctx && (st = spw_ctx_destroy(r->ctx)) != SPW_OK) {
+        spw_cli_fail("cannot destroy the context", st);
+        rc = rc ? rc : 1;
+    }
+    free(r->bufs);
+    free(r->ptrs);
+    free(r->expect);
+    free(r->stamp);
+    free(r->cb);
+    free(r->last_op);
+    return rc;
+}
+
 static int run_engine(const sim_opts *o, const spw_access_trace *t, uint64_t budget,
                       sim_result *res, char *policy, size_t plen, FILE *summary) {
     sim_run r = {.path = o->trace, .t = t};
@@ -337,22 +454,7 @@ static int run_engine(const sim_opts *o, const spw_access_trace *t, uint64_t bud
                         "(--model-only runs the yardsticks without it)\n");
         return 1;
     }
-    r.bufs = calloc(t->nbufs ? t->nbufs : 1, sizeof *r.bufs);
-    r.ptrs = calloc(t->nitems ? t->nitems : 1, sizeof *r.ptrs);
-    r.expect = calloc(t->nitems ? t->nitems : 1, sizeof *r.expect);
-    r.stamp = calloc(t->nbufs ? t->nbufs : 1, sizeof *r.stamp);
-    r.cb = calloc(t->nops ? t->nops : 1, sizeof *r.cb);
-    r.last_op = malloc((t->nbufs ? t->nbufs : 1) * sizeof *r.last_op);
-    if (r.last_op) {
-        for (size_t b = 0; b < t->nbufs; b++) r.last_op[b] = SIZE_MAX;
-        for (size_t i = 0; i < t->nops; i++)
-            if (t->ops[i].kind == 'a')
-                for (size_t k = 0; k < t->ops[i].count; k++) r.last_op[t->items[t->ops[i].first + k].buf] = i;
-    }
-    if (!r.bufs || !r.ptrs || !r.expect || !r.stamp || !r.cb || !r.last_op) {
-        fprintf(stderr, "spillway simulate: out of host memory for %zu buffers\n", t->nbufs);
-        goto out;
-    }
+    if (run_alloc(&r) != 0) goto out;
     if ((st = spw_config_create(&cfg)) != SPW_OK) {
         spw_cli_fail("cannot create a configuration", st);
         goto out;
@@ -374,71 +476,9 @@ static int run_engine(const sim_opts *o, const spw_access_trace *t, uint64_t bud
     }
     last = first;
     uint64_t t0 = spw__now_ns();
-    bool step_open = false; /* spw_step_begin called and not ended */
-    long cur = -1;          /* step being recorded */
-    for (size_t i = 0; i < t->nops; i++) {
-        const spw_access_op *op = &t->ops[i];
-        if (op->kind == 's' || (op->kind == 'a' && cur < 0)) {
-            if (step_open && (st = spw_step_end(r.ctx)) != SPW_OK) {
-                fprintf(stderr, "spillway simulate: trace:%zu: ", op->line);
-                spw_cli_fail("spw_step_end", st);
-                goto out;
-            }
-            step_open = false;
-            if (cur >= 0 && close_step(&r, res, (size_t)cur, &last) != 0) goto out;
-            if (op->kind == 's' && (st = spw_step_begin(r.ctx)) != SPW_OK) {
-                fprintf(stderr, "spillway simulate: trace:%zu: ", op->line);
-                spw_cli_fail("spw_step_begin", st);
-                goto out;
-            }
-            step_open = op->kind == 's';
-            cur = (long)op->step;
-            if (op->kind == 's') continue;
-        }
-        if (op->kind == 'a') {
-            if (run_access(&r, i) != 0) goto out;
-        } else if (op->kind == 'b') {
-            unsigned flags = t->bufs[op->buf].read_only ? SPW_BUF_READ_ONLY : 0;
-            if ((st = spw_buf_create(r.ctx, t->bufs[op->buf].bytes, flags, &r.bufs[op->buf]))) {
-                char b[64];
-                fprintf(stderr, "spillway simulate: trace:%zu: buffer %llu (%s): ", op->line,
-                        (unsigned long long)t->bufs[op->buf].id,
-                        spw__fmt_bytes(b, sizeof b, t->bufs[op->buf].bytes));
-                spw_cli_fail("spw_buf_create", st);
-                goto out;
-            }
-        } else if (op->kind == 'f') {
-            st = spw_buf_destroy(r.bufs[op->buf]);
-            r.bufs[op->buf] = NULL;
-            if (st != SPW_OK) {
-                fprintf(stderr, "spillway simulate: trace:%zu: ", op->line);
-                spw_cli_fail("spw_buf_destroy", st);
-                goto out;
-            }
-        }
-    }
-    if (step_open && (st = spw_step_end(r.ctx)) != SPW_OK) {
-        spw_cli_fail("spw_step_end at the end of the trace", st);
-        goto out;
-    }
-    if (cur >= 0 && close_step(&r, res, (size_t)cur, &last) != 0) goto out;
+    if (run_ops(&r, res, &last) != 0) goto out;
     res->seconds = (double)(spw__now_ns() - t0) / 1e9;
-    res->bytes_h2d = (uint64_t)(stat_total(&last, "bytes_h2d") - stat_total(&first, "bytes_h2d"));
-    res->bytes_d2h = (uint64_t)(stat_total(&last, "bytes_d2h") - stat_total(&first, "bytes_d2h"));
-    res->evictions_clean = stat_total(&last, "evictions_clean");
-    res->evictions_dirty = stat_total(&last, "evictions_dirty");
-    res->evictions = res->evictions_clean < 0 || res->evictions_dirty < 0
-                         ? -1 : res->evictions_clean + res->evictions_dirty;
-    res->stalls = stat_total(&last, "stalls");
-    res->stall_ns = stat_total(&last, "stall_ns");
-    res->prefetch_hits = stat_total(&last, "prefetch_hits");
-    res->data_errors = r.errors;
-    if (r.errors) {
-        const spw_access_op *op = &t->ops[r.first_error_op];
-        fprintf(stderr, "spillway simulate: DATA ERROR: %zu reads found stale or lost data; the "
-                        "first at trace line %zu (found stamp %llu)\n", r.errors, op->line,
-                (unsigned long long)r.first_error_got);
-    }
+    run_collect(&r, &first, &last, res);
     if (summary) {
         if (!o->json) fputc('\n', summary);
         spw_summary(r.ctx, summary);
@@ -446,25 +486,8 @@ static int run_engine(const sim_opts *o, const spw_access_trace *t, uint64_t bud
     res->completed = true;
     rc = r.errors ? 1 : 0;
 out:
-    if (r.ctx && r.stream) spw_stream_synchronize(r.ctx, r.stream);
-    for (size_t b = 0; r.ctx && r.bufs && b < t->nbufs; b++)
-        if (r.bufs[b] && (st = spw_buf_destroy(r.bufs[b])) != SPW_OK) {
-            spw_cli_fail("cannot destroy a buffer at the end", st);
-            rc = rc ? rc : 1;
-        }
-    if (r.ctx && r.stream && (st = spw_stream_destroy(r.ctx, r.stream)) != SPW_OK) rc = rc ? rc : 1;
-    if (r.ctx && (st = spw_ctx_destroy(r.ctx)) != SPW_OK) {
-        spw_cli_fail("cannot destroy the context", st);
-        rc = rc ? rc : 1;
-    }
     spw_config_destroy(cfg);
-    free(r.bufs);
-    free(r.ptrs);
-    free(r.expect);
-    free(r.stamp);
-    free(r.cb);
-    free(r.last_op);
-    return rc;
+    return run_free(&r, rc);
 }
 
 /* ---- reporting ---- */
