@@ -272,8 +272,11 @@ static void print_human(const bench *B, size_t budget) {
                !r->ok ? "FAILED" : r->bitwise ? "correct (bitwise)" : "correct (tolerance)");
     }
     const bs_run *lru = find_run(B, "lru"), *plan = find_run(B, "plan");
-    if (lru && plan && plan->pass_ms_median > 0)
-        printf("\nplan is %.2fx faster than lru per pass\n", lru->pass_ms_median / plan->pass_ms_median);
+    if (lru && plan && plan->pass_ms_median > 0 && lru->pass_ms_median > 0) {
+        double x = lru->pass_ms_median / plan->pass_ms_median;
+        printf("\nplan is %.2fx %s than lru per pass%s\n", x >= 1 ? x : 1 / x, x >= 1 ? "faster" : "slower",
+               B->gpu ? "" : " (emu: host times, not a speed measurement)");
+    }
     printf("\nms/pass: median over passes after the first; moved: h2d + d2h, mean after the first;\n"
            "vs link = link-bound ms / ms (1.0 = at the link's speed); vs resident = all-resident ms\n"
            "/ ms; vs max() = max(all-resident ms, link-bound ms) / ms.\n");
