@@ -373,16 +373,11 @@ int spw_bench_alloc(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--json")) {
             json = true;
-        } else if (!strcmp(a, "--backend") || !strcmp(a, "--iters")) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "spillway bench alloc: %s needs a value\n", a);
-                return 2;
-            }
-            const char *v = argv[++i];
-            if (a[2] == 'b') {
-                backend = v;
-                continue;
-            }
+        } else if (spw_cli_is_flag(a, "--backend")) {
+            if (!(backend = spw_cli_flag_value("spillway bench alloc", argc, argv, &i, "--backend"))) return 2;
+        } else if (spw_cli_is_flag(a, "--iters")) {
+            const char *v = spw_cli_flag_value("spillway bench alloc", argc, argv, &i, "--iters");
+            if (!v) return 2;
             char *end;
             unsigned long long n = strtoull(v, &end, 10);
             if (v[0] < '0' || v[0] > '9' || *end || n == 0 || n > 100000000ull) {
