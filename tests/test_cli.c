@@ -88,8 +88,6 @@ static size_t count_of(const char *text, const char *needle) {
     return n;
 }
 
-static int have_traces(void) { return access(SPW_TRACES_DIR "/gpt2_train.trace.gz", R_OK) == 0; }
-
 static void test_help_version(void **state) {
     (void)state;
     cli_result r = run_expect("--help", 0);
@@ -164,7 +162,7 @@ static void test_replay_bad_trace(void **state) {
 
 static void test_replay_json(void **state) {
     (void)state;
-    if (!have_traces()) skip();
+    test_require_trace("gpt2_train.trace.gz");
     const char *args = "replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --backend emu --json";
     cli_result r = run_expect(args, 0);
     static const char *const keys[] = {
@@ -197,7 +195,7 @@ static void test_replay_json(void **state) {
 
 static void test_replay_human_summary(void **state) {
     (void)state;
-    if (!have_traces()) skip();
+    test_require_trace("gpt2_train.trace.gz");
     cli_result r = run_expect("replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --summary", 0);
     assert_non_null(strstr(r.out, "reserved/live"));
     assert_non_null(strstr(r.out, "ns/op"));
@@ -253,7 +251,7 @@ static void test_bad_env(void **state) {
 /* A budget below the trace's peak: the replay fails, naming the op and the budget. */
 static void test_replay_oom(void **state) {
     (void)state;
-    if (!have_traces()) skip();
+    test_require_trace("gpt2_train.trace.gz");
     cli_result r = run_expect(
         "replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --backend emu --budget 1GiB --json", 1);
     assert_non_null(strstr(r.err, "replay op "));

@@ -144,7 +144,7 @@ static void test_engine_json(void **state) {
  * policy=lru moves no more than the plain LRU model after the first step, and no data is lost. */
 static void test_engine_cyclic64_lru(void **state) {
     (void)state;
-    TEST_REQUIRE_TRACE("cyclic64.access");
+    test_require_trace("cyclic64.access");
     char args[512], *out = NULL;
     snprintf(args, sizeof args, "simulate %s/cyclic64.access --budget 2GiB --scale 16 --policy lru "
              "--json --compare", SPW_TRACES_DIR);

@@ -4,10 +4,19 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <string.h>
+#include <unistd.h>
 
 int test_on_emu(void) {
     const char *b = getenv("SPW_TEST_BACKEND");
     return !b || strcmp(b, "cuda") != 0;
+}
+
+void test_require_trace(const char *name) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", SPW_TRACES_DIR, name);
+    if (access(path, R_OK) == 0) return;
+    print_message("skipped: %s is not readable\n", path);
+    skip();
 }
 
 spw_ctx *test_ctx(const char *conf) {

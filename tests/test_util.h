@@ -8,7 +8,6 @@
 #include <stdint.h>
 /* cmocka.h needs the above first */
 #include <cmocka.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -22,15 +21,9 @@ int test_on_emu(void);
     do {                                                                                       \
         if (!test_on_emu()) skip();                                                            \
     } while (0)
-/* Skip the current test, saying why, when the shared trace `name` is not readable (the traces
- * live outside the repository, in ../shared/traces). */
-#define TEST_REQUIRE_TRACE(name)                                                               \
-    do {                                                                                       \
-        if (access(SPW_TRACES_DIR "/" name, R_OK) != 0) {                                      \
-            print_message("skipped: %s/%s is not readable\n", SPW_TRACES_DIR, name);           \
-            skip();                                                                            \
-        }                                                                                      \
-    } while (0)
+/* Skip the current test, saying why, unless the shared trace file `name` is readable (the
+ * traces live outside the repository, in ../shared/traces). */
+void test_require_trace(const char *name);
 /* assert a status, printing spw_last_error() on mismatch */
 #define assert_status(expr, want)                                                              \
     do {                                                                                       \
