@@ -549,6 +549,7 @@ static spw_status step(spw_ctx *ctx, bool begin) {
         if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, NULL, NULL);
     } else if (e->pops->step_end) {
         e->pops->step_end(e->pol);
+        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, NULL, NULL);
     }
     spw__tsink_instant(e->sink, begin ? "step begin" : "step end", NULL, "engine", 0, e->step);
     pthread_mutex_unlock(&ctx->lock);

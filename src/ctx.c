@@ -60,6 +60,7 @@ static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
         .emu_granularity = cfg->vmm_page,
         .emu_vmm = 1,
         .emu_managed = 1,
+        .emu_h2d_gbps = cfg->emu_link_gbps,
     };
     switch (cfg->backend) {
     case SPW_BACKEND_CUDA:

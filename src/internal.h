@@ -76,6 +76,7 @@ struct spw_config {
                                    -1: auto (tuned by measuring steps) */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
+    int emu_link_gbps;          /* emu: simulated copy rate, 0 = memcpy speed */
     size_t small_limit;         /* requests at most this go to the small-block arena */
     spw_residency_kind residency; /* offload engine: default residency of buffers */
     spw_policy_kind policy;     /* offload engine: eviction/prefetch policy */

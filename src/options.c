@@ -41,6 +41,8 @@ static const opt_def options[] = {
     {"grow_ahead", OPT_FRACTION, "0.01", NULL, OFF(grow_ahead),
      "on growth, map this fraction of the held bytes beyond the request (fewer backend calls)"},
     {"emu_capacity", OPT_SIZE, "80GiB", NULL, OFF(emu_capacity), "emu: device memory size"},
+    {"emu_link_gbps", OPT_INT, "0", NULL, OFF(emu_link_gbps),
+     "emu: host<->device copies take bytes / this rate in GB/s, as over a link (0: memcpy speed)"},
     {"small_limit", OPT_SIZE, "1MiB", NULL, OFF(small_limit),
      "requests up to this size come from the small-block arena"},
     {"residency", OPT_ENUM, "explicit", "explicit|managed", OFF(residency),
@@ -54,8 +56,8 @@ static const opt_def options[] = {
      "off on the instant emu device; off moves the fewest bytes"},
     {"prefetch_early", OPT_INT_AUTO, "auto", NULL, OFF(prefetch_early),
      "policy=plan: buffers it may prefetch ahead of the byte-optimal schedule (each can cost one "
-     "extra transfer, but keeps the link busy during runs of resident buffers); auto tries 0 and 2 "
-     "for a step each and keeps the fastest"},
+     "extra transfer, but keeps the link busy during runs of resident buffers); auto tries no "
+     "prefetch at all, 0 and 2 for a step each and keeps the fastest"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

@@ -78,8 +78,9 @@ typedef struct spw_policy_ops {
      * called for evictions the user asked for (spw_evict) or for read-only buffers. */
     int (*need_writeback)(spw_policy *p, spw_buf *b);
 
-    /* After each successful spw_acquire (b, s) and at spw_step_begin (b NULL, s NULL): the
-     * policy may start uploads of buffers it expects next with spw__engine_prefetch. */
+    /* After each successful spw_acquire (b, s), and at spw_step_begin and after step_end at
+     * spw_step_end (b NULL, s NULL): the policy may start uploads of buffers it expects next
+     * with spw__engine_prefetch. */
     void (*prefetch)(spw_policy *p, spw_ctx *ctx, spw_buf *b, spw_stream s);
 } spw_policy_ops;
 

@@ -37,10 +37,16 @@ static _Thread_local int hash_oom;
 #define IN_STEP_KEY (1ull << 63)
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
-/* Early depths tried by prefetch_early=auto, one step each; the fastest is kept. (Measured on
- * the H200, 4 was never faster than 2, and every trial step pays its extra bytes.) */
-#define N_TRIALS 2
-static const int EARLY_TRIALS[N_TRIALS] = {0, 2};
+/* Pipelines tried by prefetch_early=auto, one step each; the fastest is kept. OFF: no
+ * prefetch at all, user hints declined: the fewest bytes (the byte-optimal schedule), each
+ * transfer serialised with the work that frees its room; worth it where work hides less than a
+ * transfer (small batches). 0: the double buffer (the next buffer moves during the current
+ * work, one buffer of room). 2: two more ahead of the byte-optimal schedule, to keep the link
+ * busy through runs of resident buffers. (Measured on the H200, 4 was never faster than 2, and
+ * every trial step pays its extra bytes.) */
+#define PF_OFF (-1)
+#define N_TRIALS 3
+static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, 2};
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
@@ -59,6 +65,7 @@ typedef struct kbuf {
     spw_buf *buf;
     bool prefetched;
     bool early;        /* prefetched against the floor rule, not yet used */
+    bool target;       /* during a rebase: in the resident set the plan starts from */
     UT_hash_handle hh; /* key -> the newest live buffer with that key */
 } kbuf;
 
@@ -67,6 +74,8 @@ typedef struct kpos {
     uint64_t key;
     uint32_t *pos;
     uint32_t n, cap;
+    size_t sim_bytes; /* start-state simulation: device bytes the buffer takes */
+    bool sim_in;      /* start-state simulation: resident at the step boundary */
     UT_hash_handle hh;
 } kpos;
 
@@ -93,6 +102,8 @@ struct spw_policy {
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
     uint64_t created_in_step;
+    bool rebase_due;       /* a new plan was learned from a step that did not follow one */
+    bool rebasing;         /* choose_victim: only buffers outside the target set */
 };
 
 static kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
@@ -198,8 +209,13 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
         return st;
     }
     p->ctx = ctx;
-    p->early_max = ctx->cfg.prefetch_early < 0 ? 0 : ctx->cfg.prefetch_early;
-    p->trial = ctx->cfg.prefetch_early < 0 ? 0 : -1;
+    /* the trial runs only where prefetch is on; elsewhere (off, or auto on the instant emu)
+     * the early depth has no effect beyond user hints, judged by the floor rule */
+    spw_tristate pf = ctx->cfg.prefetch;
+    bool pf_on = pf == SPW_TRI_ON || (pf == SPW_TRI_AUTO && !ctx->dev.emulated);
+    bool tune = ctx->cfg.prefetch_early < 0 && pf_on;
+    p->trial = tune ? 0 : -1;
+    p->early_max = tune ? EARLY_TRIALS[0] : SPW_MAX(ctx->cfg.prefetch_early, 0);
     *out = p;
     return SPW_OK;
 }
@@ -268,6 +284,7 @@ static void plan_step_end(spw_policy *p) {
     if (!p->in_step) return;
     p->in_step = false;
     bool exact = p->following && p->cursor == p->nplan && p->nrec == p->nplan;
+    bool cold = !p->nplan; /* this step ran without any plan: what it left resident is LRU's */
     p->last_exact = exact;
     index_free(p);
     if (!p->rec_ok) { /* incomplete recording: forget everything, relearn next step */
@@ -287,6 +304,7 @@ static void plan_step_end(spw_policy *p) {
             p->confirmed = false;
         }
     }
+    p->rebase_due = cold && p->nplan > 0;
     p->nrec = 0;
     p->following = false;
 }
@@ -395,9 +413,27 @@ static void check_incoming(spw_policy *p, spw_buf *incoming) {
     spw__stat_event(&p->ctx->stats.plan_divergences);
 }
 
+/* During a rebase: the buffer outside the target set used farthest ahead, or NULL. */
+static spw_buf *rebase_victim(spw_policy *p, spw_buf *incoming) {
+    spw_buf *best = NULL;
+    uint64_t best_d = 0;
+    for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
+        kbuf *k = kb_of(b);
+        if (b == incoming || !spw__pol_evictable(b) || (k && k->target)) continue;
+        uint64_t d = distance(p, b, NULL);
+        if (!best || d > best_d) {
+            best = b;
+            best_d = d;
+        }
+    }
+    return best;
+}
+
 static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
+    if (p->rebasing) return rebase_victim(p, incoming);
     if (!for_prefetch) check_incoming(p, incoming);
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
+    if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
     spw_buf *best = NULL, *free_best = NULL;
     uint64_t best_d = 0, free_d = 0;
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
@@ -439,18 +475,125 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     return !(d != FAR && mode == SPW_ACCESS_WRITE);
 }
 
+/* ---- the start state of a new plan ----
+ *
+ * Belady's rule is optimal from whatever the device holds, but over a repeating plan the set
+ * the recording step leaves (LRU's: the last buffers of the step) leads into a costlier cycle
+ * than the one Belady reaches from an empty device. On a cyclic scan the two cycles differ by
+ * one buffer a step; with buffers of 16-96 MiB by 6-16% of the bytes of the next five steps
+ * (simulated). So once, when the first plan is learned (the step that ended ran without one),
+ * the policy works out the set Belady would hold at the step boundary had it started empty, and
+ * moves there at once, at the end of that first step: uploads of at most one budget, victims
+ * only outside the set. The step that pays is the one that already paid every cold upload. */
+
+/* Next position of e's key strictly after plan position i, wrapping into the next step. */
+static size_t kpos_next(const spw_policy *p, const kpos *e, size_t i) {
+    uint32_t lo = 0, hi = e->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (e->pos[mid] <= i) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < e->n ? e->pos[lo] : e->pos[0] + p->nplan;
+}
+
+/* Device bytes the plan's buffers may use: the budget less what other allocations hold live. */
+static size_t plan_capacity(spw_policy *p) {
+    int64_t other = p->ctx->stats.live.current;
+    for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
+        kbuf *k = kb_of(b);
+        kpos *e = NULL;
+        if (k) HASH_FIND(hh, p->index, &k->key, sizeof(uint64_t), e);
+        if (e && spw__pol_resident(b)) other -= (int64_t)spw__pol_device_bytes(b);
+    }
+    return other < 0 ? p->ctx->budget : other >= (int64_t)p->ctx->budget ? 0 : p->ctx->budget - (size_t)other;
+}
+
+/* Belady from an empty device over one pass of the plan within `cap` bytes: sets sim_in on the
+ * keys resident at the end (the boundary to the next step). False on host allocation failure. */
+static bool simulate_start(spw_policy *p, size_t cap) {
+    size_t nkeys = HASH_COUNT(p->index), n_in = 0, used = 0;
+    kpos **in = malloc((nkeys ? nkeys : 1) * sizeof *in);
+    if (!in) return false;
+    kpos *e, *tmp;
+    HASH_ITER(hh, p->index, e, tmp) {
+        kbuf *k = NULL;
+        HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
+        e->sim_in = false;
+        e->sim_bytes = k && spw__pol_resident(k->buf) ? spw__pol_device_bytes(k->buf)
+                                                       : SPW_ALIGN_UP(p->plan[e->pos[0]].bytes, 512);
+    }
+    for (size_t i = 0; i < p->nplan; i++) {
+        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+        if (!e || e->sim_in || e->sim_bytes > cap) continue;
+        while (used + e->sim_bytes > cap && n_in) {
+            size_t v = 0, vd = 0;
+            for (size_t j = 0; j < n_in; j++) {
+                size_t d = kpos_next(p, in[j], i);
+                if (d > vd) vd = d, v = j;
+            }
+            in[v]->sim_in = false;
+            used -= in[v]->sim_bytes;
+            in[v] = in[--n_in];
+        }
+        e->sim_in = true;
+        used += e->sim_bytes;
+        in[n_in++] = e;
+    }
+    free(in);
+    return true;
+}
+
+static void set_targets(spw_policy *p, bool from_sim) {
+    kpos *e, *tmp;
+    HASH_ITER(hh, p->index, e, tmp) {
+        kbuf *k = NULL;
+        HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
+        if (k) k->target = from_sim && e->sim_in;
+    }
+}
+
+/* Move to the start state: upload the target buffers the plan reads first, soonest first,
+ * evicting only buffers outside the target set; stop at the first that finds no room. */
+static void rebase(spw_policy *p, spw_ctx *ctx) {
+    p->rebase_due = false;
+    if (!p->index || !p->nplan || !simulate_start(p, plan_capacity(p))) return;
+    set_targets(p, true);
+    p->cursor = 0;
+    p->rebasing = true;
+    for (size_t i = 0; i < p->nplan; i++) {
+        const plan_entry *pe = &p->plan[i];
+        kpos *e = NULL;
+        kbuf *k = NULL;
+        HASH_FIND(hh, p->index, &pe->key, sizeof(uint64_t), e);
+        if (!e || !e->sim_in) continue;
+        e->sim_in = false; /* the first use decides; a buffer first overwritten needs no upload */
+        HASH_FIND(hh, p->by_key, &pe->key, sizeof(uint64_t), k);
+        if (!k || pe->mode == SPW_ACCESS_WRITE || spw__pol_resident(k->buf) || spw__pol_acquired(k->buf))
+            continue;
+        spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
+        if (st == SPW_ERR_OUT_OF_MEMORY) spw__error_clear();
+        if (st != SPW_OK || !spw__pol_resident(k->buf)) break;
+        k->prefetched = true;
+        spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));
+    }
+    p->rebasing = false;
+    set_targets(p, false);
+}
+
 /* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
  * must be needed later than every buffer used between now and the prefetched one's use (each
  * of those will be a candidate when it is released). The buffers the caller holds right now
  * are exempt: that one exemption is the double buffer that lets the transfer of the next
  * buffer overlap the work on the current one. */
 static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
+    if (p->rebase_due && !just) rebase(p, ctx); /* at the first plan's step_end or step_begin */
     /* auto: a double buffer buys overlap only where a transfer takes time; on the instant
      * emulated device it would only cost a buffer of room */
     spw_tristate pf = p->ctx->cfg.prefetch;
     if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) return;
     (void)just, (void)s;
-    if (!predicting(p)) return;
+    if (!predicting(p) || p->early_max == PF_OFF) return;
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */
     for (size_t i = 0; i < n; i++) {

@@ -46,8 +46,11 @@ static void resident_is(spw_buf **b, const char *want) {
     }
 }
 
-/* Cyclic A B C D with room for three. Step 1 (recording) is LRU; from step 2 the victim is the
- * buffer used farthest in the future, which LRU never picks here. */
+/* Cyclic A B C D with room for three. Step 1 (recording) is LRU and leaves B C D. When the plan
+ * is learned the policy moves to the set Belady holds at that boundary when started from an
+ * empty device, A B D: one upload (A, displacing C, outside that set). From then on the victim
+ * is the buffer used farthest in the future (never LRU's choice here) and every step moves one
+ * buffer. Without the move, Belady from LRU's leftovers moves two in the next step. */
 static void exact_victims(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -57,21 +60,24 @@ static void exact_victims(void **state) {
     assert_ok(spw_step_begin(ctx));
     for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
     resident_is(b, "0111"); /* LRU evicted A for D */
-    assert_ok(spw_step_begin(ctx));
     int64_t h0 = stats(ctx).bytes_h2d.total;
+    assert_ok(spw_step_begin(ctx));
+    resident_is(b, "1101"); /* the start state: A in, C out */
+    assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
+    h0 = stats(ctx).bytes_h2d.total;
     touch(ctx, b[0], SPW_ACCESS_READ);
-    resident_is(b, "1110"); /* A in: D (next use farthest) out, not B (LRU's choice) */
     touch(ctx, b[1], SPW_ACCESS_READ);
+    resident_is(b, "1101");
     touch(ctx, b[2], SPW_ACCESS_READ);
+    resident_is(b, "1011"); /* C in: B out (D is needed next, A next step before B) */
     touch(ctx, b[3], SPW_ACCESS_READ);
-    resident_is(b, "1101"); /* D in: C out (A and B come back sooner, next step) */
-    assert_int_equal(stats(ctx).bytes_h2d.total - h0, 2 * (int64_t)SZ);
+    assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
     assert_ok(spw_step_begin(ctx));
     h0 = stats(ctx).bytes_h2d.total;
     touch(ctx, b[0], SPW_ACCESS_READ);
     touch(ctx, b[1], SPW_ACCESS_READ);
+    resident_is(b, "0111"); /* B in: A out (C and D come sooner) */
     touch(ctx, b[2], SPW_ACCESS_READ);
-    resident_is(b, "1011"); /* C in: B out (D is needed next, A next step before B) */
     touch(ctx, b[3], SPW_ACCESS_READ);
     assert_ok(spw_step_end(ctx));
     assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ); /* LRU: 4 per step */
@@ -296,9 +302,11 @@ static void no_data_loss_under_faults(void **state) {
 /* ---- prefetch (prefetch=on, as on a GPU; emu's default is off) ---- */
 
 /* Cyclic A B C D, room for three, prefetch on without early slots. The hand-checked schedule of
- * the first planned step: step_begin prefetches A (evicting D, needed last); after A nothing (D
- * would displace C, needed before D); after B nothing (A would go, but C, released next, will
- * be the later-needed victim: the floor rule); after C, D comes in for B (needed next step). */
+ * the first planned step, from the start state A B D (see exact_victims): at step_begin nothing
+ * more (C would displace D, but A and B, used before C, will be the later-needed victims once
+ * released: the floor rule); after A nothing (the same); after B, C comes in for A (released,
+ * needed next step); after C nothing (B would go, but D, released next, is the better victim);
+ * after D, A comes in for C (the wrap into the next step). */
 static void prefetch_schedule(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -311,28 +319,29 @@ static void prefetch_schedule(void **state) {
     assert_int_equal(stats(ctx).plan_prefetch_bytes.total, 0); /* no plan yet: LRU, no prefetch */
     int64_t h0 = stats(ctx).bytes_h2d.total;
     assert_ok(spw_step_begin(ctx));
-    resident_is(b, "1110");
+    resident_is(b, "1101");
     touch(ctx, b[0], SPW_ACCESS_READ);
-    resident_is(b, "1110");
+    resident_is(b, "1101");
     touch(ctx, b[1], SPW_ACCESS_READ);
-    resident_is(b, "1110");
+    resident_is(b, "0111");
     touch(ctx, b[2], SPW_ACCESS_READ);
-    resident_is(b, "1011");
+    resident_is(b, "0111");
     touch(ctx, b[3], SPW_ACCESS_READ);
+    resident_is(b, "1101");
     spw_stats st = stats(ctx);
-    assert_int_equal(st.bytes_h2d.total - h0, 2 * (int64_t)SZ); /* A and D, both prefetched */
-    assert_int_equal(st.plan_prefetch_bytes.total, 2 * (int64_t)SZ);
-    assert_int_equal(st.plan_prefetch_used.total, 2 * (int64_t)SZ);
+    assert_int_equal(st.bytes_h2d.total - h0, 3 * (int64_t)SZ); /* A (start state), C, A */
+    assert_int_equal(st.plan_prefetch_bytes.total, 3 * (int64_t)SZ);
+    assert_int_equal(st.plan_prefetch_used.total, 2 * (int64_t)SZ); /* the last A waits */
     assert_int_equal(st.plan_prefetch_wasted.total, 0);
-    /* a user hint the plan would pay for is declined: D is needed after B and C, whose next uses
-     * (next step) come after A's, so bringing D now could only displace A, which outlasts
-     * neither; nothing moves and the hint succeeds */
+    /* a user hint the plan would pay for is declined: C is needed after B, and bringing it now
+     * could only displace A, which B (released after its use) outlasts; nothing moves and the
+     * hint succeeds */
     assert_ok(spw_step_begin(ctx));
     touch(ctx, b[0], SPW_ACCESS_READ);
-    resident_is(b, "1110"); /* B prefetched for D after A's acquisition */
+    resident_is(b, "1101");
     h0 = stats(ctx).bytes_h2d.total;
-    assert_ok(spw_prefetch(b[3], NULL));
-    resident_is(b, "1110");
+    assert_ok(spw_prefetch(b[2], NULL));
+    resident_is(b, "1101");
     assert_int_equal(stats(ctx).bytes_h2d.total, h0);
     assert_int_equal(stats(ctx).plan_divergences.total, 0);
     assert_ok(spw_step_end(ctx));
@@ -340,7 +349,7 @@ static void prefetch_schedule(void **state) {
 }
 
 /* Prefetch on against off over the same read-modify-write steps: every prefetched byte is used,
- * the double buffer costs at most one buffer a step, and every byte is right at the end. With
+ * the double buffer costs at most one buffer a step on average, and every byte is right at the end. With
  * early slots (prefetch_early=2) the same holds except that an early prefetch may be wasted. */
 static void prefetch_costs_at_most_one_buffer(void **state) {
     (void)state;
@@ -375,8 +384,9 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
         assert_ok(spw_step_end(ctx));
         spw_stats st = stats(ctx);
         assert_int_equal(st.plan_divergences.total, 0);
-        if (c == 0) {
-            assert_int_equal(st.plan_prefetch_bytes.total, 0);
+        if (c == 0) { /* only the move to the start state, once, every byte of it used */
+            assert_true(st.plan_prefetch_bytes.total <= (int64_t)(9 * MiB));
+            assert_int_equal(st.plan_prefetch_wasted.total, 0);
         } else {
             assert_true(st.plan_prefetch_bytes.total > 0);
             if (c == 1) assert_int_equal(st.plan_prefetch_wasted.total, 0);
@@ -394,12 +404,17 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
         spw_ctx_destroy(ctx);
     }
     free(tmp);
-    for (int s = 2; s < STEPS; s++) { /* planned steps after the first */
-        if (per_step[1][s] > per_step[0][s] + (int64_t)SZ)
-            fail_msg("step %d: %lld B with prefetch, %lld B without", s, (long long)per_step[1][s],
-                     (long long)per_step[0][s]);
+    /* over the planned steps after the first: the double buffer costs at most one buffer a step
+     * on average (per step the phase of the cycle moves it between steps) */
+    int64_t sum_on = 0, sum_off = 0;
+    for (int s = 2; s < STEPS; s++) {
+        sum_on += per_step[1][s];
+        sum_off += per_step[0][s];
         assert_true(per_step[0][s] < (int64_t)(NB * SZ)); /* the plan beats LRU's every-buffer */
     }
+    if (sum_on > sum_off + (STEPS - 2) * (int64_t)SZ)
+        fail_msg("steps 2..%d: %lld B with prefetch, %lld B without", STEPS - 1, (long long)sum_on,
+                 (long long)sum_off);
 }
 
 int main(void) {

@@ -7,6 +7,7 @@
  *   spillway run per policy (context, weights, passes).
  * - bench_stream_gpu.c (SPW_HAVE_CUDA only): link rate, all-resident cuBLAS reference, the
  *   cuBLAS product; CK/BK below report a failed CUDA/cuBLAS call and `goto fail`.
+ * - bench_stream_split.c (SPW_HAVE_CUDA only): the hand-tuned static split, the expert's peer.
  * Functions return 0 on success, 1 on failure (message printed), unless said otherwise.
  */
 #ifndef SPW_BENCH_STREAM_H
@@ -33,7 +34,7 @@ typedef struct bs_opts {
     const char *policies[MAX_POLICIES];
     int npolicies;
     unsigned long long seed;
-    bool json, summary;
+    bool json, summary, no_split;
 } bs_opts;
 
 typedef struct bs_run { /* one spillway run (one policy) */
@@ -47,6 +48,9 @@ typedef struct bs_run { /* one spillway run (one policy) */
     double max_diff;
     bool host_registered;       /* weights registered (no copy) rather than copied in */
     int64_t evictions, stalls, prefetch_hits;
+    long split_k;               /* static split: resident layers chosen */
+    int split_spread, split_tried; /* static split: placement (0 prefix, 1 spread); candidates timed */
+    const char *split_placement;
 } bs_run;
 
 typedef struct bench {
@@ -61,6 +65,7 @@ typedef struct bench {
     double all_resident_ms;     /* < 0: not measured */
     const char *ref_how;
     bs_run runs[MAX_POLICIES];
+    bs_run split;               /* the static split peer (cuda only; completed when it ran) */
 #ifdef SPW_HAVE_CUDA
     cublasHandle_t blas;
 #endif
@@ -108,6 +113,12 @@ int bs_gpu_gemm(bench *B, const void *x, const void *w, void *y, cudaStream_t s)
 void bs_gpu_link_rate(bench *B);
 /* The all-resident (or staged) cuBLAS reference into B->ref, and B->all_resident_ms. */
 int bs_gpu_reference(bench *B);
+
+/* ---- bench_stream_split.c ---- */
+
+/* The hand-tuned static split at B->budget (the best k and placement found by trying), timed
+ * and checked like a spillway run, into r. */
+int bs_static_split(bench *B, bs_run *r);
 #endif
 
 #endif

@@ -45,7 +45,7 @@ static void usage(FILE *f) {
             "usage: spillway bench stream [--layers N] [--layer-mib M] [--batch B] [--budget SIZE]\n"
             "       [--residency explicit|managed] [--policy lru|plan[,..]] [--passes P]\n"
             "       [--prefetch D] [--seed S] [--trace FILE] [--backend auto|cuda|emu] [--json]\n"
-            "       [--summary]\n\n"
+            "       [--summary] [--no-static-split]\n\n"
             "Streams N bf16 layers of M MiB (K x K, K = sqrt(M MiB / 2)) through a chain of matrix\n"
             "products X <- X W_l, weights held as spillway buffers under a device budget; checks the\n"
             "result against the same chain on all-resident weights; reports ms per pass, bytes\n"
@@ -61,6 +61,9 @@ static void usage(FILE *f) {
             "                 capped below half the layers that fit in the budget)\n"
             "  --trace FILE   the engine's Chrome trace (with several policies: FILE.<policy>)\n"
             "  --summary      print the memory summary (spw_summary) after the last run\n"
+            "  --no-static-split  skip the peer (cuda): the hand-tuned static split at the same\n"
+            "                 budget, k resident layers and two streamed slots, the best k and\n"
+            "                 placement found by timing every k that fits\n"
             "Options from SPILLWAY_CONF are applied first; flags override them.\n");
 }
 
@@ -105,6 +108,8 @@ static int parse_args(int argc, char **argv, bs_opts *o) {
             o->json = true;
         } else if (!strcmp(a, "--summary")) {
             o->summary = true;
+        } else if (!strcmp(a, "--no-static-split")) {
+            o->no_split = true;
         } else if (spw_cli_is_flag(a, "--layers")) {
             if (!parse_long("--layers", spw_cli_flag_value("spillway bench stream", argc, argv, &i, "--layers"), 1, 100000, &o->layers)) return 2;
         } else if (spw_cli_is_flag(a, "--batch")) {
@@ -196,8 +201,9 @@ static void print_json(const bench *B, size_t budget) {
     jnum("link_h2d_gbps", B->link_gbps);
     jnum("all_resident_ms", B->all_resident_ms);
     printf(", \"reference\": \"%s\", \"runs\": [", B->ref_how);
-    for (int i = 0; i < B->o.npolicies; i++) {
-        const bs_run *r = &B->runs[i];
+    for (int i = 0; i <= B->o.npolicies; i++) {
+        const bs_run *r = i < B->o.npolicies ? &B->runs[i] : &B->split;
+        if (i == B->o.npolicies && !r->policy) break;
         derived d = derive(B, r);
         printf("%s{\"policy\": \"%s\", \"completed\": %s, \"correct\": %s, \"bitwise_equal\": %s",
                i ? ", " : "", r->policy, r->completed ? "true" : "false", r->ok ? "true" : "false",
@@ -207,6 +213,9 @@ static void print_json(const bench *B, size_t budget) {
             continue;
         }
         printf(", \"prefetch\": %ld", r->prefetch);
+        if (r == &B->split)
+            printf(", \"resident_layers\": %ld, \"placement\": \"%s\", \"candidates_timed\": %d",
+                   r->split_k, r->split_placement ? r->split_placement : "none", r->split_tried);
         jnum("max_abs_diff", r->max_diff);
         printf(", \"weights\": \"%s\"", r->host_registered ? "registered" : "copied");
         jnum("pass_ms", r->pass_ms_median);
@@ -237,6 +246,8 @@ static void print_json(const bench *B, size_t budget) {
     const bs_run *lru = find_run(B, "lru"), *plan = find_run(B, "plan");
     if (lru && plan && plan->pass_ms_median > 0)
         printf(", \"speedup_plan_over_lru\": %.4f", lru->pass_ms_median / plan->pass_ms_median);
+    if (plan && B->split.ok && plan->pass_ms_median > 0)
+        printf(", \"plan_over_static_split\": %.4f", plan->pass_ms_median / B->split.pass_ms_median);
     printf("}\n");
 }
 
@@ -254,8 +265,9 @@ static void print_human(const bench *B, size_t budget) {
     printf("reference     %s\n\n", B->ref_how);
     printf("%-7s %10s %11s %9s %10s %9s %9s %11s %9s  %s\n", "policy", "ms/pass", "moved/pass",
            "of model", "GB/s", "link ms", "vs link", "vs resident", "vs max()", "result");
-    for (int i = 0; i < B->o.npolicies; i++) {
-        const bs_run *r = &B->runs[i];
+    for (int i = 0; i <= B->o.npolicies; i++) {
+        const bs_run *r = i < B->o.npolicies ? &B->runs[i] : &B->split;
+        if (i == B->o.npolicies && !r->policy) break;
         if (!r->completed) {
             printf("%-7s %10s  (failed before the end: see the messages above)\n", r->policy, "FAILED");
             continue;
@@ -276,6 +288,15 @@ static void print_human(const bench *B, size_t budget) {
         double x = lru->pass_ms_median / plan->pass_ms_median;
         printf("\nplan is %.2fx %s than lru per pass%s\n", x >= 1 ? x : 1 / x, x >= 1 ? "faster" : "slower",
                B->gpu ? "" : " (emu: host times, not a speed measurement)");
+    }
+    if (B->split.completed)
+        printf("split: the hand-tuned static split, %ld resident layers (%s), %ld streamed through two\n"
+               "slots; the fastest of %d candidates (every k that fits, two placements)\n",
+               B->split.split_k, B->split.split_placement, B->o.layers - B->split.split_k,
+               B->split.split_tried);
+    if (plan && B->split.ok && plan->pass_ms_median > 0) {
+        double x = B->split.pass_ms_median / plan->pass_ms_median;
+        printf("plan is %.3fx the static split's speed (%s)\n", x, x >= 1 ? "as fast or faster" : "slower");
     }
     printf("\nms/pass: median over passes after the first; moved: h2d + d2h, mean after the first;\n"
            "vs link = link-bound ms / ms (1.0 = at the link's speed); vs resident = all-resident ms\n"
@@ -367,6 +388,9 @@ int spw_bench_stream(int argc, char **argv) {
         }
         if (r) rc = 1;
     }
+#ifdef SPW_HAVE_CUDA
+    if (B.gpu && !B.o.no_split && bs_static_split(&B, &B.split)) rc = 1;
+#endif
     if (B.o.json) print_json(&B, B.budget);
     else print_human(&B, B.budget);
     goto out;
@@ -383,6 +407,9 @@ out:
         free(B.runs[i].pass_h2d);
         free(B.runs[i].pass_d2h);
     }
+    free(B.split.pass_ms);
+    free(B.split.pass_h2d);
+    free(B.split.pass_d2h);
     free(B.weights);
     free(B.x0);
     free(B.ref);
