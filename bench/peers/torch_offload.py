@@ -641,8 +641,9 @@ def split_search_a(cfg, v, model, x, ref, batch):
         f"{best['ms']:.2f} ms")
     st.attach(placements(n, best["k"])[best["placement"]])
     v.gpu_weight_bytes = st.weights_on_device()
-    return (f"k={best['k']} ({best['placement']}) of {len(cands)} tried, fit by measured peak "
-            f"(max_memory_allocated over a pass, weights+slots+activations) <= budget")
+    how = ("measured peak (max_memory_allocated over a pass: weights+slots+activations+workspace)"
+           if cfg.cuda else "bytes (smoke, cpu: weights+slots+input+2 outputs)")
+    return f"k={best['k']} ({best['placement']}) of {len(cands)} tried, fit by {how} <= budget"
 
 
 def split_choose_b(cfg, v, model, ids, ref):
@@ -846,6 +847,8 @@ def print_tables(rows, link_gbps, cfg_of):
             vs = bound / r["ms"] if bound else None
             xr = r["ms"] / res["ms"] if res else None
             hook = r.get("hook_us")
+            if r.get("gpu_weight_bytes") is None and r.get("spillway"):
+                r["gpu_weight_bytes"] = r["spillway"].get("held_peak")  # its peak held bytes
             result = ("reference" if r["variant"] == "resident" else
                       "no reference" if r.get("equal") is None else
                       "bitwise equal" if r["equal"] else "DIFFERS")
