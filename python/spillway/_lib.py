@@ -159,10 +159,18 @@ def _candidates() -> List[Path]:
     repo = here.parent.parent
     for name in _LIB_NAMES:
         out.append(repo / "build" / name)
-    # Installed: ${prefix}/lib/python3/dist-packages/spillway or ${prefix}/lib/python3.X/site-packages/
-    # spillway -> ${prefix}/lib (and lib64, lib/<multiarch>), or bundled next to the package.
+    # Installed: a copy bundled in the package (pip install with a C toolchain), then the
+    # libdir that `make install` recorded relative to the package, then ${prefix}/lib guesses
+    # for ${prefix}/lib/python3/dist-packages/spillway and ${prefix}/lib/python3.X/site-packages.
     for name in _LIB_NAMES:
         out.append(here / name)
+    try:
+        from ._install import LIBDIR_FROM_PACKAGE  # type: ignore[import]
+
+        for name in _LIB_NAMES:
+            out.append((here / LIBDIR_FROM_PACKAGE / name).resolve())
+    except ImportError:
+        pass
     for up in (here.parent.parent, here.parent.parent.parent):
         for libdir in ("", "lib", "lib64"):
             for name in _LIB_NAMES:
