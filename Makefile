@@ -60,6 +60,10 @@ test-gpu: build
 demo: build
 	./$(BUILD)/spillway bench stream --policy lru,plan --summary
 	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz
+	@if /usr/bin/python3 -c 'import torch' 2>/dev/null; then \
+	  SPILLWAY_LIBRARY=$(CURDIR)/$(BUILD)/libspillway.so PYTHONPATH=$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
+	    /usr/bin/python3 python/examples/offload_demo.py; \
+	else echo "demo: /usr/bin/python3 cannot import torch: skipping the spillway.torch demo (apt-get install python3-torch)"; fi
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))

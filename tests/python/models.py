@@ -25,7 +25,7 @@ class Attention(nn.Module):
             v = torch.cat([cache[1], v], 1)
         att = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // self.heads)
         s = k.shape[1]
-        mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+        mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
         y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
         return self.out(y), (k, v)

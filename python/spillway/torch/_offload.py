@@ -378,16 +378,19 @@ class Offload:
         return self
 
     def _pack(self, u: _Unit) -> None:
-        raw = torch.empty(u.nbytes + _PAGE, dtype=torch.uint8)
+        # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
+        # another allocation that is registered too would make that registration fail.
+        reg = _align(u.nbytes, _PAGE)
+        raw = torch.zeros(reg + _PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % _PAGE
-        pack = raw[start:start + u.nbytes]
+        pack = raw[start:start + reg]
         for e in u.entries:
             view = self._typed(pack, e.offset, e.nbytes, e.dtype, e.shape)
             with torch.no_grad():
                 view.copy_(e.tensor.data)
             e.host_view = view
         # registered only after the copy: the library's host copy must be the final contents
-        u.buf = self.context.register_host(pack.data_ptr(), u.nbytes, read_only=True)
+        u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
         u.handle = u.buf.handle
         u.pack = raw
         for e in u.entries:
@@ -416,8 +419,12 @@ class Offload:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
 
+        # inspect.signature(module.forward) follows __wrapped__: generate() and friends that read
+        # the forward's parameters still see the real ones.
         forward.__wrapped__ = inner  # type: ignore[attr-defined]
-        forward.__doc__ = getattr(inner, "__doc__", None)
+        for attr in ("__doc__", "__name__", "__qualname__"):
+            if hasattr(inner, attr):
+                setattr(forward, attr, getattr(inner, attr))
         module.forward = forward  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ hot path
@@ -701,8 +708,8 @@ class Offload:
         lines += [
             f"  steps             {self.steps}",
             f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "
-            f"({format_size(s['bytes_h2d']['total'])} total, {s['bytes_h2d']['total'] / total if total else 0:.2f}"
-            f" x the model), {format_size(s['bytes_d2h']['total'])} device to host total",
+            f"({s['bytes_h2d']['total'] / steps / total if total else 0:.2f} of the offloaded bytes; "
+            f"{format_size(s['bytes_h2d']['total'])} in all), {format_size(s['bytes_d2h']['total'])} device to host",
             f"  stalls            {s['stalls']['total']} ({s['stall_ns']['total'] / 1e6:.2f} ms measured)",
             f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
             f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
