@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 
 import pytest
 import torch
@@ -386,6 +387,22 @@ def test_non_module_empty_module_trainable_module_and_twice():
     with pytest.raises(spillway.StateError, match="already offloaded"):
         spt.offload(nn.Sequential(m), budget="4MiB", **EMU)
     off.remove()
+
+
+def test_handle_dropped_module_keeps_working_and_is_freed():
+    import gc
+    m = frozen(make_stack())
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 64)
+    spt.offload(m, budget="4MiB", **EMU)  # handle not kept: the hooks keep it alive
+    gc.collect()
+    assert torch.equal(m(x), ref(x))
+    with pytest.raises(spillway.StateError, match="already offloaded"):
+        spt.offload(m, budget="4MiB", **EMU)
+    probe = weakref.ref(m)
+    del m
+    gc.collect()
+    assert probe() is None  # nothing global holds the module or its Offload
 
 
 def test_hook_overhead_is_measured_and_views_are_reused():

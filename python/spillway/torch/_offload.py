@@ -66,8 +66,15 @@ class OutOfMemoryError(_errors.OutOfMemoryError, _TorchOOM):  # type: ignore[mis
     that handles PyTorch's OOM handles this one too."""
 
 
-# Module -> its Offload; a module is offloaded at most once.
-_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, Offload]" = weakref.WeakKeyDictionary()
+# Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
+# neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
+_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _active(module: nn.Module) -> bool:
+    ref = _ACTIVE.get(module)
+    off = ref() if ref is not None else None
+    return off is not None and not off._closed
 
 
 def _align(n: int, a: int = _ALIGN) -> int:
@@ -200,10 +207,10 @@ class Offload:
         self._closed = True
         if not isinstance(module, nn.Module):
             raise InvalidArgument(f"offload: expected a torch.nn.Module, got {type(module).__name__}")
-        if module in _ACTIVE:
+        if _active(module):
             raise StateError("offload: this module is already offloaded; call .remove() on its Offload first")
         for m in module.modules():
-            if m is not module and m in _ACTIVE:
+            if m is not module and _active(m):
                 raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
         if offload_trainable:
             raise InvalidArgument(
@@ -374,7 +381,7 @@ class Offload:
             self._undo()
             raise
         self._closed = False
-        _ACTIVE[module] = self
+        _ACTIVE[module] = weakref.ref(self)
         return self
 
     def _pack(self, u: _Unit) -> None:
