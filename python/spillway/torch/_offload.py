@@ -123,6 +123,7 @@ class _Unit:
         self.name = name
         self.index = index
         self.entries: List[_Entry] = []
+        self.buffer_entries: List[_Entry] = []  # non-parameters: checked for in-place writes
         self.nbytes = 0
         self.pack: Optional[torch.Tensor] = None
         self.buf: Any = None  # spillway Buffer
@@ -137,6 +138,8 @@ class _Unit:
         entry.offset = _align(self.nbytes)
         self.nbytes = entry.offset + entry.nbytes
         self.entries.append(entry)
+        if entry.is_buffer:
+            self.buffer_entries.append(entry)
 
 
 class _Saved:
@@ -355,6 +358,7 @@ class Offload:
         self._depth = 0
         self._saved_hooks: Optional[Any] = None
         self._devptr = ctypes.c_void_p()
+        self._devptr_ref = ctypes.byref(self._devptr)
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.hook_ns = 0
         self.acquires = 0
@@ -461,7 +465,7 @@ class Offload:
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
-        st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, ctypes.byref(self._devptr))
+        st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
         if st:
             err = error_for(st)
             if isinstance(err, _errors.OutOfMemoryError):
@@ -485,7 +489,8 @@ class Offload:
         _, views = self._views(u, ptr)
         for e, v in zip(u.entries, views):
             e.tensor.data = v
-        u.versions = [(e, e.tensor._version) for e in u.entries if e.is_buffer]
+        if u.buffer_entries:
+            u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
         u.stream = stream
         u.devptr = ptr
         u.refs = 1
@@ -497,11 +502,12 @@ class Offload:
             return
         if u.refs <= 0:
             return
-        for e, ver in u.versions:
-            if e.tensor._version != ver:  # modified in place: keep the host copy current
-                with torch.no_grad():
-                    e.host_view.copy_(e.tensor.data)
-                self.buffer_writebacks += 1
+        if u.buffer_entries:
+            for e, ver in u.versions:
+                if e.tensor._version != ver:  # modified in place: keep the host copy current
+                    with torch.no_grad():
+                        e.host_view.copy_(e.tensor.data)
+                    self.buffer_writebacks += 1
         for e in u.entries:
             e.tensor.data = e.host_view
         u.refs = 0
@@ -545,30 +551,36 @@ class Offload:
     def _own_output(self, out: Any, ending: List[_Unit], depth: int) -> Any:
         """out with every tensor that views a unit about to be released replaced by a clone:
         an output aliasing a weight or buffer (a slice of a position table) must not point at
-        device memory that the next eviction reuses. Looks into tuples, lists and dicts."""
+        device memory that the next eviction reuses. Looks into tuples, lists and dicts.
+        Compares addresses only: host and device pointers share one address space (CUDA UVA;
+        emu device memory is host memory), so a host tensor never falls inside a unit."""
         if isinstance(out, torch.Tensor):
-            if out.device.type == self.device.type and out.numel():
-                p = out.data_ptr()
-                for u in ending:
-                    if u.devptr <= p < u.devptr + u.nbytes:
-                        self.outputs_cloned += 1
-                        return out.clone()
+            p = out.data_ptr()
+            for u in ending:
+                if u.devptr <= p < u.devptr + u.nbytes:
+                    self.outputs_cloned += 1
+                    return out.clone()
             return out
-        if depth >= 3:
+        if depth >= 3 or not isinstance(out, (tuple, list, dict)):
             return out
-        if isinstance(out, tuple) and not hasattr(out, "_fields"):
-            items = [self._own_output(x, ending, depth + 1) for x in out]
-            return out if all(a is b for a, b in zip(items, out)) else tuple(items)
-        if isinstance(out, list):
-            items = [self._own_output(x, ending, depth + 1) for x in out]
-            return out if all(a is b for a, b in zip(items, out)) else items
         if isinstance(out, dict):
             for k, v in list(out.items()):
                 nv = self._own_output(v, ending, depth + 1)
                 if nv is not v:
                     out[k] = nv
             return out
-        return out
+        changed = None
+        for i, x in enumerate(out):
+            nx = self._own_output(x, ending, depth + 1)
+            if nx is not x:
+                if changed is None:
+                    changed = list(out)
+                changed[i] = nx
+        if changed is None:
+            return out
+        if isinstance(out, list):
+            return changed
+        return type(out)(*changed) if hasattr(out, "_fields") else type(out)(changed)
 
     def _top_forward(self, inner: Any, args: Any, kwargs: Any) -> Any:
         if self._depth:  # the top module calling itself: one step already open
