@@ -318,6 +318,8 @@ class Offload:
             ctx_opts["trace"] = str(trace)
         if backend == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
+            # weights already on this device leave it when they move to the host copy
+            free += sum(e.nbytes for u in units for e in u.entries if e.tensor.device == dev)
             ctx_opts.setdefault("device", dev.index)
         else:
             cap = ctx_opts.get("emu_capacity", "80GiB")
@@ -392,7 +394,7 @@ class Offload:
         # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
         # another allocation that is registered too would make that registration fail.
         reg = _align(u.nbytes, _PAGE)
-        raw = torch.zeros(reg + _PAGE, dtype=torch.uint8)
+        raw = torch.empty(reg + _PAGE, dtype=torch.uint8)  # every tensor byte is copied in below
         start = (-raw.data_ptr()) % _PAGE
         pack = raw[start:start + reg]
         for e in u.entries:
@@ -799,8 +801,9 @@ def offload(module: nn.Module, budget: Union[int, str], policy: str = "plan", de
 
     budget: device bytes for the offloaded weights (int, "4GiB", or "50%" of the device); it
     does not cover activations, trainable parameters or anything else PyTorch allocates. It
-    must hold the largest unit and fit in the device's free memory; otherwise ConfigError is
-    raised before anything moves. policy: "plan" (learns one forward, evicts by next use) or
+    must hold the largest unit and fit in the device's free memory (counting the module's own
+    weights on that device, which leave it); otherwise ConfigError is raised before anything
+    moves. policy: "plan" (learns one forward, evicts by next use) or
     "lru". device: the CUDA device (default: the current one); CPU with backend="emu".
     blocks: the modules to pack as one unit each (default: the children of the largest
     ModuleList/Sequential). trace: write a Chrome trace of copies and evictions to this file.
