@@ -4,7 +4,7 @@ JOBS  ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 TRACES ?= ../shared/traces
 
-.PHONY: all build deps test test-gpu demo install clean sanitize sanitize-gpu
+.PHONY: all build deps pydeps test test-gpu demo install clean sanitize sanitize-gpu
 
 all: build
 
@@ -29,22 +29,41 @@ deps:
 	  fi; \
 	fi
 
+# The Python tests run with Debian's interpreter and CPU torch; installed only when missing.
+pydeps:
+	@need=""; \
+	[ -x /usr/bin/python3 ] || need="$$need python3"; \
+	/usr/bin/python3 -c 'import torch' 2>/dev/null || need="$$need python3-torch"; \
+	/usr/bin/python3 -c 'import numpy' 2>/dev/null || need="$$need python3-numpy"; \
+	/usr/bin/python3 -c 'import pytest' 2>/dev/null || need="$$need python3-pytest"; \
+	if [ -n "$$need" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing:$$need"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$need; \
+	fi
+
 $(BUILD)/CMakeCache.txt: | deps
 	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+test: build pydeps
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
 
-# The same suite against the cuda backend, plus GPU-only tests and the shim's scripts.
+# The same suite against the cuda backend, plus GPU-only tests and the shim's scripts. The
+# Python tests (emu, Debian's CPU torch) are left to `make test`; the GPU machine runs
+# tests/gpu/test_torch_offload_gpu.py with its own torch (README).
 test-gpu: build
-	cd $(BUILD) && SPW_TEST_BACKEND=cuda ctest --output-on-failure -j 1
+	cd $(BUILD) && SPW_TEST_BACKEND=cuda ctest --output-on-failure -j 1 -LE python
 
 demo: build
 	./$(BUILD)/spillway bench stream --policy lru,plan --summary
 	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz
+	@if /usr/bin/python3 -c 'import torch' 2>/dev/null; then \
+	  SPILLWAY_LIBRARY=$(CURDIR)/$(BUILD)/libspillway.so PYTHONPATH=$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
+	    /usr/bin/python3 python/examples/offload_demo.py; \
+	else echo "demo: /usr/bin/python3 cannot import torch: skipping the spillway.torch demo (apt-get install python3-torch)"; fi
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))
@@ -52,7 +71,7 @@ install: build
 sanitize: deps
 	cmake -S . -B build-asan -DSPW_SANITIZE=address -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j $(JOBS)
-	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE gpu
+	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE "gpu|python"
 	cmake -S . -B build-tsan -DSPW_SANITIZE=thread -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency
@@ -64,7 +83,7 @@ sanitize-gpu: deps
 	cmake -S . -B build-asan-cuda -DSPW_SANITIZE=address -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan-cuda -j $(JOBS)
 	cd build-asan-cuda && SPW_TEST_BACKEND=cuda ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 \
-	  UBSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j 1 -E '^shim'
+	  UBSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j 1 -E '^shim' -LE python
 
 clean:
 	rm -rf $(BUILD) build-asan build-tsan build-asan-cuda

@@ -1,0 +1,816 @@
+"""spillway.torch.offload: a module's frozen weights in pinned host memory, moved to the device
+block by block as the forward pass reaches them.
+
+How it works, and the contracts it keeps:
+
+- Units. By default each child of the module's largest nn.ModuleList/nn.Sequential (by bytes) is
+  a block; every other module with its own parameters or buffers is a unit of its own. A unit's
+  tensors are packed contiguously (256-byte aligned) into ONE page-aligned CPU tensor that is
+  registered as the host copy of ONE read-only spillway buffer (spw_buf_register_host: no second
+  host copy). Between forwards every offloaded tensor is a CPU view of that pack, so
+  state_dict() and printing work and read the real values.
+- A tensor is assigned to the first unit that reaches it, so a tied weight (one Parameter in two
+  modules) is stored once; each module that holds it acquires that unit.
+- Hooks. A forward pre-hook acquires the module's units on the current stream (CUDA: torch's
+  current stream; emu: the context's default stream, then a synchronize because CPU torch runs
+  synchronously) and points each tensor's .data at a view of the device copy; the forward hook
+  points them back at the host views and releases on the same stream. Acquisitions are counted
+  per unit, so nested and repeated calls are safe. No host synchronization on the CUDA path.
+- Views are cached per (unit, device address): the arena tends to hand a unit the same address
+  again, and then an acquire costs one ctypes call plus a .data assignment per tensor.
+- One call of the top-level module is one plan step (step_begin/step_end around its forward),
+  unless the caller marks steps with `with off.step():`.
+- Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
+  replaced (torch.autograd.graph.saved_tensors_hooks) by a record (unit, offset, sizes, strides,
+  dtype); backward re-acquires the unit, clones the view (device to device, stream-ordered) and
+  releases it. Nothing saved for backward points at device memory that may be evicted.
+- Trainable parameters (requires_grad=True) are never offloaded: they stay resident on the
+  device (their gradients and optimizer state need a stable tensor) and the summary lists them.
+- Buffers (rotary tables, norm statistics) are offloaded like weights, read-only. A buffer
+  modified in place during a forward is detected at release (its version counter moved) and
+  its new contents are written through to the host copy, so nothing is lost; this costs a
+  device-to-host copy, so modules that update buffers every call (batch norm in training) are
+  better left out with blocks=[...]. A module that replaces a buffer object is not supported.
+- Weights read directly by a parent's forward (self.child.weight, not through child(...)) are
+  not covered by any hook: on CUDA they would be host tensors and torch raises a device mismatch.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import time
+import weakref
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .. import _lib
+from ..core import Context, format_size, parse_size
+from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from .. import errors as _errors
+
+_lib_c = _lib.lib
+_ALIGN = 256
+_PAGE = 4096
+_ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
+_VIEW_CACHE = 4  # device addresses remembered per unit
+
+_TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+
+
+class OutOfMemoryError(_errors.OutOfMemoryError, _TorchOOM):  # type: ignore[misc, valid-type]
+    """A unit could not be made resident under the budget: both spillway.OutOfMemoryError and
+    torch's out-of-memory error (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError), so code
+    that handles PyTorch's OOM handles this one too."""
+
+
+# Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
+# neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
+_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _active(module: nn.Module) -> bool:
+    ref = _ACTIVE.get(module)
+    off = ref() if ref is not None else None
+    return off is not None and not off._closed
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class _CudaMemory:
+    """A device range exposed through __cuda_array_interface__ (version 2, no stream key):
+    torch.as_tensor wraps it without a copy, without reading a stream and without syncing."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 2,
+        }
+
+
+class _Entry:
+    """One offloaded tensor: where it lives in its unit and how to restore it."""
+
+    __slots__ = ("tensor", "name", "offset", "nbytes", "dtype", "shape", "orig_stride", "orig_device",
+                 "is_buffer", "host_view")
+
+    def __init__(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> None:
+        self.tensor = tensor
+        self.name = name
+        self.offset = 0
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.orig_stride = tuple(tensor.stride())
+        self.orig_device = tensor.device
+        self.is_buffer = is_buffer
+        self.host_view: Optional[torch.Tensor] = None
+
+
+class _Unit:
+    """One spillway buffer holding the packed tensors of a block or module."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.index = index
+        self.entries: List[_Entry] = []
+        self.buffer_entries: List[_Entry] = []  # non-parameters: checked for in-place writes
+        self.nbytes = 0
+        self.pack: Optional[torch.Tensor] = None
+        self.buf: Any = None  # spillway Buffer
+        self.handle: int = 0  # its spw_buf *
+        self.refs = 0
+        self.stream: Optional[int] = None
+        self.devptr = 0
+        self.versions: List[Tuple[_Entry, int]] = []
+        self.views: "collections.OrderedDict[int, Tuple[torch.Tensor, List[torch.Tensor]]]" = collections.OrderedDict()
+
+    def add(self, entry: _Entry) -> None:
+        entry.offset = _align(self.nbytes)
+        self.nbytes = entry.offset + entry.nbytes
+        self.entries.append(entry)
+        if entry.is_buffer:
+            self.buffer_entries.append(entry)
+
+
+class _Saved:
+    """A tensor saved for backward that lay inside an acquired unit: enough to rebuild it."""
+
+    __slots__ = ("unit", "offset", "span", "dtype", "size", "stride")
+
+    def __init__(self, unit: _Unit, offset: int, t: torch.Tensor) -> None:
+        self.unit = unit
+        self.offset = offset
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        last = sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1 if t.numel() else 0
+        self.span = last * t.element_size()
+
+
+def _module_names(module: nn.Module) -> Dict[int, str]:
+    return {id(m): (n or type(module).__name__) for n, m in module.named_modules(remove_duplicate=False)}
+
+
+def _default_blocks(module: nn.Module) -> List[nn.Module]:
+    """The children of the largest nn.ModuleList/nn.Sequential, by parameter and buffer bytes."""
+    best: Optional[nn.Module] = None
+    best_key = (0, 0)
+    for m in module.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
+            nbytes = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+            key = (nbytes, len(m))
+            if key > best_key:
+                best, best_key = m, key
+    if best is None:
+        return []
+    seen: set = set()
+    out = []
+    for child in best.children():
+        if id(child) not in seen:
+            seen.add(id(child))
+            out.append(child)
+    return out
+
+
+def _parse_budget(budget: Any) -> Union[int, str]:
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ConfigError(f"offload: budget must be bytes (int) or a size string such as '4GiB', got {budget!r}")
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        return budget.strip()
+    try:
+        value = parse_size(budget)
+    except _errors.Error as e:
+        raise ConfigError(f"offload: bad budget {budget!r}: {e.message}") from None
+    if value <= 0:
+        raise ConfigError(f"offload: budget must be positive, got {budget!r}")
+    return value
+
+
+class Offload:
+    """Handle returned by offload(): statistics, explicit steps, and remove()."""
+
+    def __init__(self) -> None:  # use offload()
+        raise TypeError("use spillway.torch.offload(module, budget=...)")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
+               trace: Optional[str], offload_trainable: bool, options: Dict[str, Any]) -> "Offload":
+        self = object.__new__(cls)
+        self._closed = True
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(f"offload: expected a torch.nn.Module, got {type(module).__name__}")
+        if _active(module):
+            raise StateError("offload: this module is already offloaded; call .remove() on its Offload first")
+        for m in module.modules():
+            if m is not module and _active(m):
+                raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
+        if offload_trainable:
+            raise InvalidArgument(
+                "offload: offload_trainable=True is not supported: trainable parameters need a stable device "
+                "tensor for their gradients and the optimizer; freeze them (requires_grad_(False)) to offload "
+                "them, or leave them trainable and they stay resident")
+        budget_v = _parse_budget(budget)
+
+        backend = options.pop("backend", "auto")
+        if backend == "auto":
+            backend = "cuda" if torch.cuda.is_available() else "emu"
+        if backend not in ("cuda", "emu"):
+            raise ConfigError(f"offload: backend must be 'auto', 'cuda' or 'emu', got {backend!r}")
+        if backend == "emu":
+            dev = torch.device("cpu") if device is None else torch.device(device)
+            if dev.type != "cpu":
+                raise ConfigError(f"offload: backend 'emu' runs on CPU tensors; device {dev} is not 'cpu'")
+        else:
+            dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+            if dev.type != "cuda":
+                raise ConfigError(f"offload: backend 'cuda' needs a cuda device, got {dev}")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        self.module = module
+        self.device = dev
+        self.backend = backend
+
+        # ---- plan the units (nothing moves yet) ----
+        params = list(module.parameters())
+        if not params:
+            raise InvalidArgument(f"offload: {type(module).__name__} has no parameters")
+        for t in params + list(module.buffers()):
+            if t.device.type == "meta":
+                raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
+        names = _module_names(module)
+        if blocks is None:
+            block_list = _default_blocks(module)
+        else:
+            block_list = list(blocks)
+            for b in block_list:
+                if not isinstance(b, nn.Module):
+                    raise InvalidArgument(f"offload: blocks must be modules, got {type(b).__name__}")
+                if id(b) not in names:
+                    raise InvalidArgument(f"offload: block {type(b).__name__} is not a submodule of the module")
+        trainable: Dict[int, Tuple[str, torch.Tensor]] = {}
+        for pname, p in module.named_parameters():
+            if p.requires_grad:
+                trainable[id(p)] = (pname, p)
+        owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
+        units: List[_Unit] = []
+        needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
+        hooked: List[nn.Module] = []
+
+        def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool) -> List[_Unit]:
+            used: List[_Unit] = []
+            tensors = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse)
+                       if id(t) not in trainable]
+            tensors += [(n, t, True) for n, t in mod.named_buffers(recurse=recurse)
+                        if t is not None]
+            for n, t, is_buf in tensors:
+                u = owner.get(id(t))
+                if u is None:
+                    u = unit
+                    owner[id(t)] = u
+                    u.add(_Entry(t, f"{prefix}.{n}" if prefix else n, is_buf))
+                if u not in used:
+                    used.append(u)
+            return used
+
+        in_block: set = set()
+        for b in block_list:
+            for m in b.modules():
+                in_block.add(id(m))
+        for b in block_list:
+            u = _Unit(names.get(id(b), type(b).__name__), len(units))
+            used = claim(u, b, names.get(id(b), ""), True)
+            if u.entries:
+                units.append(u)
+            if used and id(b) not in needs:
+                needs[id(b)] = used
+                hooked.append(b)
+        for m in module.modules():
+            if id(m) in in_block:
+                continue
+            u = _Unit(names.get(id(m), type(m).__name__), len(units))
+            used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
+            if u.entries:
+                units.append(u)
+            if used and id(m) not in needs:
+                needs[id(m)] = used
+                hooked.append(m)
+        if not units:
+            raise InvalidArgument(
+                f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "
+                "grad, and trainable parameters stay resident. Freeze the weights first "
+                "(module.requires_grad_(False)), keeping only adapters trainable")
+        largest = max(units, key=lambda u: u.nbytes)
+
+        # ---- check the budget against the units and the device, then create the context ----
+        ctx_opts = dict(options)
+        if trace:
+            ctx_opts["trace"] = str(trace)
+        if backend == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            # weights already on this device leave it when they move to the host copy
+            free += sum(e.nbytes for u in units for e in u.entries if e.tensor.device == dev)
+            ctx_opts.setdefault("device", dev.index)
+        else:
+            cap = ctx_opts.get("emu_capacity", "80GiB")
+            try:
+                free = total = parse_size(cap)
+            except _errors.Error as e:
+                raise ConfigError(f"offload: option 'emu_capacity': {e.message}") from None
+        if isinstance(budget_v, str):  # a percentage of the device
+            try:
+                pct = float(budget_v[:-1])
+            except ValueError:
+                raise ConfigError(f"offload: bad budget {budget!r}") from None
+            if not 0 < pct <= 100:
+                raise ConfigError(f"offload: budget {budget!r} must be between 0% and 100%")
+            budget_v = int(total * pct / 100)
+        # The device arena maps memory in 2 MiB pages: a unit occupies at least its size rounded up.
+        need = _align(largest.nbytes, _ARENA_PAGE)
+        if budget_v < need:
+            raise ConfigError(
+                f"offload: budget {format_size(budget_v)} is below the largest unit, {largest.name} "
+                f"({format_size(largest.nbytes)}, {format_size(need)} in the device arena's 2 MiB pages); "
+                "raise the budget or pass smaller blocks=[...]")
+        if budget_v > free:
+            raise ConfigError(
+                f"offload: budget {format_size(budget_v)} is above the free device memory "
+                f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
+        self.context = Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
+
+        self.units = units
+        self._needs = needs
+        self._trainable = list(trainable.values())
+        self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
+        self._hooks: List[Any] = []
+        self._ctx_handle = self.context._handle
+        self._emu = backend == "emu"
+        self._acquired: Dict[int, _Unit] = {}  # devptr -> unit, for the saved-tensor lookup
+        self._explicit_steps = 0
+        self._depth = 0
+        self._saved_hooks: Optional[Any] = None
+        self._devptr = ctypes.c_void_p()
+        self._devptr_ref = ctypes.byref(self._devptr)
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.hook_ns = 0
+        self.acquires = 0
+        self.view_builds = 0
+        self.view_hits = 0
+        self.steps = 0
+        self.saved_packed = 0
+        self.saved_reacquires = 0
+        self.buffer_writebacks = 0
+        self.outputs_cloned = 0
+        self.final_stats: Optional[Dict[str, Any]] = None
+
+        # ---- move: pack and register each unit; undo everything on failure ----
+        try:
+            for u in units:
+                self._pack(u)
+            if backend == "cuda":
+                for _, p in self._trainable:
+                    if p.device != dev:
+                        self._moved_trainable.append((p, p.device))
+                        p.data = p.data.to(dev)
+            self._install(module, hooked)
+        except BaseException:
+            self._undo()
+            raise
+        self._closed = False
+        _ACTIVE[module] = weakref.ref(self)
+        return self
+
+    def _pack(self, u: _Unit) -> None:
+        # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
+        # another allocation that is registered too would make that registration fail.
+        reg = _align(u.nbytes, _PAGE)
+        raw = torch.empty(reg + _PAGE, dtype=torch.uint8)  # every tensor byte is copied in below
+        start = (-raw.data_ptr()) % _PAGE
+        pack = raw[start:start + reg]
+        for e in u.entries:
+            view = self._typed(pack, e.offset, e.nbytes, e.dtype, e.shape)
+            with torch.no_grad():
+                view.copy_(e.tensor.data)
+            e.host_view = view
+        # registered only after the copy: the library's host copy must be the final contents
+        u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
+        u.handle = u.buf.handle
+        u.pack = raw
+        for e in u.entries:
+            e.tensor.data = e.host_view
+
+    @staticmethod
+    def _typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        return base[offset:offset + nbytes].view(dtype).view(shape)
+
+    def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
+        for m in hooked:
+            if m is module:
+                continue  # the top level acquires its own units inside its forward wrapper
+            units = self._needs[id(m)]
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre(units)))
+            self._hooks.append(m.register_forward_hook(self._make_post(units)))
+        self._top_units = self._needs.get(id(module), [])
+        self._had_forward_attr = "forward" in module.__dict__
+        self._old_forward_attr = module.__dict__.get("forward")
+        inner = module.forward
+        me = weakref.ref(self)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            off = me()
+            if off is None or off._closed:
+                return inner(*args, **kwargs)
+            return off._top_forward(inner, args, kwargs)
+
+        # inspect.signature(module.forward) follows __wrapped__: generate() and friends that read
+        # the forward's parameters still see the real ones.
+        forward.__wrapped__ = inner  # type: ignore[attr-defined]
+        for attr in ("__doc__", "__name__", "__qualname__"):
+            if hasattr(inner, attr):
+                setattr(forward, attr, getattr(inner, attr))
+        module.forward = forward  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ hot path
+    def _stream(self) -> Optional[int]:
+        if self._emu:
+            return None
+        if self._raw_stream is not None:
+            return self._raw_stream(self.device.index) or None
+        return torch.cuda.current_stream(self.device).cuda_stream or None
+
+    def _views(self, u: _Unit, ptr: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        hit = u.views.get(ptr)
+        if hit is not None:
+            self.view_hits += 1
+            return hit
+        self.view_builds += 1
+        with torch.inference_mode(False):  # cached views must be normal tensors, usable with autograd later
+            if self._emu:
+                base = torch.frombuffer((ctypes.c_uint8 * u.nbytes).from_address(ptr), dtype=torch.uint8)
+            else:
+                base = torch.as_tensor(_CudaMemory(ptr, u.nbytes), device=self.device)
+            views = [self._typed(base, e.offset, e.nbytes, e.dtype, e.shape) for e in u.entries]
+        if len(u.views) >= _VIEW_CACHE:
+            u.views.popitem(last=False)
+        u.views[ptr] = (base, views)
+        return base, views
+
+    def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
+        """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
+        st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+        if st:
+            err = error_for(st)
+            if isinstance(err, _errors.OutOfMemoryError):
+                raise OutOfMemoryError(err.message) from None
+            raise err
+        ptr = self._devptr.value
+        if self._emu:
+            st = _lib_c.spw_stream_synchronize(self._ctx_handle, None)
+            if st:
+                _lib_c.spw_release(u.handle, None)
+                raise error_for(st)
+        self.acquires += 1
+        return ptr
+
+    def _acquire(self, u: _Unit) -> None:
+        if u.refs:
+            u.refs += 1
+            return
+        stream = self._stream()
+        ptr = self._acquire_raw(u, stream)
+        _, views = self._views(u, ptr)
+        for e, v in zip(u.entries, views):
+            e.tensor.data = v
+        if u.buffer_entries:
+            u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
+        u.stream = stream
+        u.devptr = ptr
+        u.refs = 1
+        self._acquired[ptr] = u
+
+    def _release(self, u: _Unit) -> None:
+        if u.refs > 1:
+            u.refs -= 1
+            return
+        if u.refs <= 0:
+            return
+        if u.buffer_entries:
+            for e, ver in u.versions:
+                if e.tensor._version != ver:  # modified in place: keep the host copy current
+                    with torch.no_grad():
+                        e.host_view.copy_(e.tensor.data)
+                    self.buffer_writebacks += 1
+        for e in u.entries:
+            e.tensor.data = e.host_view
+        u.refs = 0
+        self._acquired.pop(u.devptr, None)
+        st = _lib_c.spw_release(u.handle, u.stream)
+        if st:
+            raise error_for(st)
+
+    def _make_pre(self, units: List[_Unit]) -> Any:
+        def pre_hook(mod: nn.Module, args: Any) -> None:
+            t0 = time.perf_counter_ns()
+            done = []
+            try:
+                for u in units:
+                    self._acquire(u)
+                    done.append(u)
+            except BaseException:
+                for u in reversed(done):
+                    self._release(u)
+                raise
+            finally:
+                self.hook_ns += time.perf_counter_ns() - t0
+
+        return pre_hook
+
+    def _make_post(self, units: List[_Unit]) -> Any:
+        def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                ending = [u for u in units if u.refs == 1]
+                if ending:
+                    output = self._own_output(output, ending, 0)
+                for u in reversed(units):
+                    self._release(u)
+                return output
+            finally:
+                self.hook_ns += time.perf_counter_ns() - t0
+
+        return post_hook
+
+    def _own_output(self, out: Any, ending: List[_Unit], depth: int) -> Any:
+        """out with every tensor that views a unit about to be released replaced by a clone:
+        an output aliasing a weight or buffer (a slice of a position table) must not point at
+        device memory that the next eviction reuses. Looks into tuples, lists and dicts.
+        Compares addresses only: host and device pointers share one address space (CUDA UVA;
+        emu device memory is host memory), so a host tensor never falls inside a unit."""
+        if isinstance(out, torch.Tensor):
+            p = out.data_ptr()
+            for u in ending:
+                if u.devptr <= p < u.devptr + u.nbytes:
+                    self.outputs_cloned += 1
+                    return out.clone()
+            return out
+        if depth >= 3 or not isinstance(out, (tuple, list, dict)):
+            return out
+        if isinstance(out, dict):
+            for k, v in list(out.items()):
+                nv = self._own_output(v, ending, depth + 1)
+                if nv is not v:
+                    out[k] = nv
+            return out
+        changed = None
+        for i, x in enumerate(out):
+            nx = self._own_output(x, ending, depth + 1)
+            if nx is not x:
+                if changed is None:
+                    changed = list(out)
+                changed[i] = nx
+        if changed is None:
+            return out
+        if isinstance(out, list):
+            return changed
+        return type(out)(*changed) if hasattr(out, "_fields") else type(out)(changed)
+
+    def _top_forward(self, inner: Any, args: Any, kwargs: Any) -> Any:
+        if self._depth:  # the top module calling itself: one step already open
+            return inner(*args, **kwargs)
+        self._depth = 1
+        auto_step = not self._explicit_steps
+        saved = None
+        try:
+            if auto_step:
+                self._step_begin()
+            if torch.is_grad_enabled():
+                saved = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+                saved.__enter__()
+            t0 = time.perf_counter_ns()
+            for u in self._top_units:
+                self._acquire(u)
+            self.hook_ns += time.perf_counter_ns() - t0
+            return inner(*args, **kwargs)
+        finally:
+            try:
+                # normally only the top level's own units are left; after an exception, everything
+                for u in list(self._acquired.values()):
+                    u.refs = 1
+                    self._release(u)
+            finally:
+                if saved is not None:
+                    saved.__exit__(None, None, None)
+                if auto_step:
+                    self._step_end()
+                self._depth = 0
+
+    # ------------------------------------------------------------------ backward
+    def _pack_saved(self, t: torch.Tensor) -> Any:
+        if not self._acquired or t.device.type != self.device.type:
+            return t
+        p = t.data_ptr()
+        for base, u in self._acquired.items():
+            if base <= p < base + u.nbytes:
+                self.saved_packed += 1
+                return _Saved(u, p - base, t)
+        return t
+
+    def _unpack_saved(self, s: Any) -> torch.Tensor:
+        if not isinstance(s, _Saved):
+            return s
+        if self._closed:
+            raise StateError("spillway.torch: backward needs offloaded weights, but the Offload was removed; "
+                             "run backward before remove()")
+        u = s.unit
+        stream = self._stream()
+        ptr = self._acquire_raw(u, stream)
+        try:
+            base, _ = self._views(u, ptr)
+            flat = base[s.offset:s.offset + s.span].view(s.dtype)
+            out = flat.as_strided(s.size, s.stride).clone()
+        finally:
+            st = _lib_c.spw_release(u.handle, stream)
+        if st:
+            raise error_for(st)
+        self.saved_reacquires += 1
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def _step_begin(self) -> None:
+        st = _lib_c.spw_step_begin(self._ctx_handle)
+        if st:
+            raise error_for(st)
+
+    def _step_end(self) -> None:
+        st = _lib_c.spw_step_end(self._ctx_handle)
+        if st:
+            raise error_for(st)
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Mark one step explicitly (e.g. one generate() call, or forward + backward); while any
+        is open, top-level forwards do not mark their own steps."""
+        self._live()
+        self._explicit_steps += 1
+        self._step_begin()
+        try:
+            yield
+        finally:
+            self._explicit_steps -= 1
+            if not self._closed:
+                self._step_end()
+
+    # ------------------------------------------------------------------ observability
+    def _live(self) -> None:
+        if self._closed:
+            raise StateError("spillway.torch: this Offload was removed")
+
+    def hook_stats(self) -> Dict[str, int]:
+        """Counters of the Python side: hook_ns (host time in the hooks), acquires (spw_acquire
+        calls by hooks and backward), view_hits/view_builds (device views reused/constructed),
+        steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
+        buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
+        aliased a unit being released, copied so they outlive it)."""
+        return {
+            "hook_ns": self.hook_ns,
+            "acquires": self.acquires,
+            "view_hits": self.view_hits,
+            "view_builds": self.view_builds,
+            "steps": self.steps,
+            "saved_packed": self.saved_packed,
+            "saved_reacquires": self.saved_reacquires,
+            "buffer_writebacks": self.buffer_writebacks,
+            "outputs_cloned": self.outputs_cloned,
+        }
+
+    def stats(self) -> Dict[str, Any]:
+        """The library's counters (Context.stats()) plus "offload": hook_stats(), unit counts."""
+        self._live()
+        out = self.context.stats()
+        h = self.hook_stats()
+        h["units"] = len(self.units)
+        h["offloaded_bytes"] = sum(u.nbytes for u in self.units)
+        h["resident_trainable_bytes"] = sum(p.numel() * p.element_size() for _, p in self._trainable)
+        out["offload"] = h
+        return out
+
+    def summary(self) -> str:
+        """Readable report: units, what stayed resident, bytes moved per step, stalls, plan hits,
+        hook time per acquire, then the library's table."""
+        self._live()
+        s = self.context.stats()
+        steps = max(self.steps, 1)
+        total = sum(u.nbytes for u in self.units)
+        lines = [
+            f"spillway.torch offload of {type(self.module).__name__} ({self.backend}, device {self.device}, "
+            f"policy {self.context.options.get('policy')})",
+            f"  offloaded         {format_size(total)} in {len(self.units)} units "
+            f"(largest {max(self.units, key=lambda u: u.nbytes).name}, "
+            f"{format_size(max(u.nbytes for u in self.units))})",
+            f"  budget            {format_size(s['budget'])}  (device memory for offloaded weights only)",
+            f"  resident units    {s['buffers_resident']['current']} now, "
+            f"{format_size(s['live']['current'])} on the device",
+        ]
+        if self._trainable:
+            nb = sum(p.numel() * p.element_size() for _, p in self._trainable)
+            shown = ", ".join(n for n, _ in self._trainable[:6]) + (" ..." if len(self._trainable) > 6 else "")
+            lines.append(f"  kept resident     {len(self._trainable)} trainable parameters, {format_size(nb)}: {shown}")
+        lines += [
+            f"  steps             {self.steps}",
+            f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "
+            f"({s['bytes_h2d']['total'] / steps / total if total else 0:.2f} of the offloaded bytes; "
+            f"{format_size(s['bytes_h2d']['total'])} in all), {format_size(s['bytes_d2h']['total'])} device to host",
+            f"  stalls            {s['stalls']['total']} ({s['stall_ns']['total'] / 1e6:.2f} ms measured)",
+            f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
+            f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
+            f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
+            f"  hooks             {self.acquires} acquires, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us "
+            f"host time per acquire, views reused {self.view_hits} / built {self.view_builds}",
+            "",
+            self.context.summary(),
+        ]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ removal
+    def remove(self) -> None:
+        """Put the module back as it was: every offloaded tensor restored with its values on its
+        original device and strides, trainable parameters moved back, hooks and the forward
+        wrapper removed, buffers and the context destroyed. final_stats keeps the library's
+        counters taken after the buffers were destroyed."""
+        self._live()
+        if self._depth or self._acquired:
+            raise StateError("spillway.torch: remove() during a forward")
+        self._undo()
+
+    def _undo(self) -> None:
+        """Restore whatever was moved so far (also the rollback of a failed offload())."""
+        self._closed = True
+        _ACTIVE.pop(self.module, None)
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        if "forward" in self.module.__dict__ and hasattr(self, "_had_forward_attr"):
+            if self._had_forward_attr:
+                self.module.forward = self._old_forward_attr  # type: ignore[method-assign]
+            else:
+                del self.module.forward
+        for u in self.units:
+            for e in u.entries:
+                if e.host_view is None:
+                    continue
+                fresh = torch.empty_strided(e.shape, e.orig_stride, dtype=e.dtype, device=e.orig_device)
+                with torch.no_grad():
+                    fresh.copy_(e.host_view)
+                e.tensor.data = fresh
+                e.host_view = None
+            u.views.clear()
+        for p, orig in self._moved_trainable:
+            p.data = p.data.to(orig)
+        self._moved_trainable = []
+        ctx = self.context
+        for u in self.units:
+            if u.buf is not None:
+                u.buf.close()
+                u.buf = None
+            u.pack = None
+        if not ctx.closed:
+            self.final_stats = ctx.stats()
+            ctx.close()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._closed else f"{len(self.units)} units"
+        return f"<spillway.torch.Offload {type(self.module).__name__}: {state}>"
+
+
+def offload(module: nn.Module, budget: Union[int, str], policy: str = "plan", device: Any = None,
+            blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
+            offload_trainable: bool = False, **options: Any) -> Offload:
+    """Offload module's frozen weights and buffers to pinned host memory; they come to the
+    device block by block during each forward. Returns the Offload handle.
+
+    budget: device bytes for the offloaded weights (int, "4GiB", or "50%" of the device); it
+    does not cover activations, trainable parameters or anything else PyTorch allocates. It
+    must hold the largest unit and fit in the device's free memory (counting the module's own
+    weights on that device, which leave it); otherwise ConfigError is raised before anything
+    moves. policy: "plan" (learns one forward, evicts by next use) or
+    "lru". device: the CUDA device (default: the current one); CPU with backend="emu".
+    blocks: the modules to pack as one unit each (default: the children of the largest
+    ModuleList/Sequential). trace: write a Chrome trace of copies and evictions to this file.
+    options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
+    unknown one is a ConfigError. Parameters with requires_grad=True stay resident.
+    A unit that cannot be made resident during a forward raises spillway.torch.OutOfMemoryError,
+    which is also torch's out-of-memory error. On any error the module is unchanged.
+    """
+    block_list = None if blocks is None else list(blocks)
+    return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options))

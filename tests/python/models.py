@@ -1,0 +1,112 @@
+"""Tiny models for the offload tests (CPU, deterministic)."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin  # a rotary-like mix
+        if cache is not None:
+            k = torch.cat([cache[0], k], 1)
+            v = torch.cat([cache[1], v], 1)
+        att = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // self.heads)
+        s = k.shape[1]
+        mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
+        return self.out(y), (k, v)
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, cos, sin, cache=None):
+        a, kv = self.attn(self.norm1(x), cos, sin, cache)
+        x = x + a
+        return x + self.mlp(self.norm2(x)), kv
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, max_len: int = 64) -> None:
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, dtype=torch.float32) / head_dim))
+        ang = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]
+        self.register_buffer("cos", ang.cos())
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, start: int, length: int):
+        return self.cos[start:start + length, None, :], self.sin[start:start + length, None, :]
+
+
+class TinyDecoder(nn.Module):
+    """Embedding, a ModuleList of layers, a rotary buffer, a final norm, a tied lm_head."""
+
+    def __init__(self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.rotary = Rotary(dim // heads)
+        self.layers = nn.ModuleList(Layer(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied
+
+    def forward(self, ids: torch.Tensor, caches=None, start: int = 0):
+        x = self.embed(ids)
+        cos, sin = self.rotary(start, ids.shape[1])
+        new = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, None if caches is None else caches[i])
+            new.append(kv)
+        return self.lm_head(self.norm(x)), new
+
+
+def make_decoder(seed: int = 0, **kw) -> TinyDecoder:
+    torch.manual_seed(seed)
+    m = TinyDecoder(**kw)
+    with torch.no_grad():  # LayerNorm starts at ones/zeros: make the norms matter
+        for mod in m.modules():
+            if isinstance(mod, nn.LayerNorm):
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-0.1, 0.1)
+    return m.eval()
+
+
+def make_stack(seed: int = 0, dim: int = 64, depth: int = 6) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(dim, dim), nn.Tanh()]
+    return nn.Sequential(*layers).eval()
+
+
+def greedy(model, ids: torch.Tensor, steps: int):
+    """A KV-cache generation loop: the prompt, then one token per forward."""
+    logits, caches = model(ids)
+    out = [logits]
+    pos = ids.shape[1]
+    tok = logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        logits, caches = model(tok, caches, pos)
+        out.append(logits)
+        pos += 1
+        tok = logits[:, -1:].argmax(-1)
+    return out
