@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
-#   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed]   (default: all)
+#   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
+#                     [pytest] [peers] [offload]   (default: all)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
-steps=${*:-build test shim replay alloc probe stream managed}
+steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload}
 has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $* ($(date +%T))"; }
 rc=0
@@ -78,6 +79,47 @@ if has managed; then
     ./build/spillway bench stream --layers 32 --layer-mib 128 --batch 16 --budget 2GiB --residency managed \
       --policy lru 2>&1 | grep -E "^lru" | sed 's/^/library /' | tee -a "$OUT/managed.txt" || rc=1
   done
+fi
+if has plan; then
+  # policy=plan against the hand-tuned static split (the peer inside bench stream), every budget
+  # and batch of the acceptance, one process each; one summary line per case
+  log "bench stream: plan against the static split"
+  for budget in 1GiB 2GiB 3GiB; do
+    for batch in 16 4096; do
+      j="$OUT/plan-$budget-$batch.json"
+      ./build/spillway bench stream --layers 32 --layer-mib 128 --batch $batch --budget $budget \
+        --policy lru,plan --json >"$j" 2>>"$OUT/plan.err" || rc=1
+      python3 - "$j" $budget $batch <<'PY' || rc=1
+import json, sys
+d = json.load(open(sys.argv[1])); r = {x["policy"]: x for x in d["runs"]}
+lru, plan, split = r["lru"], r["plan"], r.get("split", {})
+print(f"budget {sys.argv[2]:>4} batch {sys.argv[3]:>4}: lru {lru['pass_ms']:.2f} ms ({lru['ratio_to_link_bound']:.3f} of link)"
+      f" | plan {plan['pass_ms']:.2f} ms {plan['bytes_per_pass']/2**20:.0f} MiB bitwise {plan['bitwise_equal']}"
+      f" | split {split.get('pass_ms', 0):.2f} ms {split.get('bytes_per_pass', 0)/2**20:.0f} MiB k={split.get('resident_layers')} {split.get('placement')}"
+      f" | plan/split {d.get('plan_over_static_split', float('nan')):.3f}"
+      f" | plan per pass {[round(x, 1) for x in plan['per_pass_ms']]}")
+PY
+    done
+  done
+fi
+if has pytest; then
+  log "pytest tests/gpu/test_torch_offload_gpu.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
+    python3 -m pytest -q -x -s tests/gpu/test_torch_offload_gpu.py >"$OUT/pytest-gpu.log" 2>&1 || rc=1
+  tail -30 "$OUT/pytest-gpu.log"
+fi
+if has peers; then
+  log "bench/peers/torch_stream.py"
+  timeout 300 python3 bench/peers/torch_stream.py --budget 1GiB,2GiB,3GiB --batch 16,4096 \
+    --json "$OUT/torch_stream.json" 2>"$OUT/torch_stream.err" | tee "$OUT/torch_stream.txt" || rc=1
+  tail -5 "$OUT/torch_stream.err"
+fi
+if has offload; then
+  log "bench/peers/torch_offload.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 540 \
+    python3 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-} --json "$OUT/torch_offload.json" \
+    2>"$OUT/torch_offload.err" | tee "$OUT/torch_offload.txt" || rc=1
+  tail -15 "$OUT/torch_offload.err"
 fi
 log "done rc=$rc"
 exit $rc

@@ -37,16 +37,23 @@ static _Thread_local int hash_oom;
 #define IN_STEP_KEY (1ull << 63)
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
-/* Pipelines tried by prefetch_early=auto, one step each; the fastest is kept. OFF: no
- * prefetch at all, user hints declined: the fewest bytes (the byte-optimal schedule), each
+/* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps of which the last is
+ * timed (the first settles the change of resident set); the fastest is kept.
+ * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
  * transfer serialised with the work that frees its room; worth it where work hides less than a
- * transfer (small batches). 0: the double buffer (the next buffer moves during the current
- * work, one buffer of room). 2: two more ahead of the byte-optimal schedule, to keep the link
- * busy through runs of resident buffers. (Measured on the H200, 4 was never faster than 2, and
- * every trial step pays its extra bytes.) */
+ * transfer (small batches).
+ * 0: Belady with a double buffer: the next buffer moves during the current work.
+ * STATIC: the expert's split, found from the plan: a fixed set stays resident, spread over the
+ * step so that work runs between the others, which stream through two buffers of room, each
+ * prefetched as soon as the one it replaces is released, back to back on the link; the same
+ * bytes as the double buffer but no idle link during runs of resident buffers (large batches).
+ * (Measured on the H200, deeper early prefetch than the double buffer was never faster than
+ * STATIC, and every trial step pays its extra bytes.) */
 #define PF_OFF (-1)
+#define PF_STATIC (-2)
 #define N_TRIALS 3
-static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, 2};
+#define TRIAL_STEPS 2
+static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC};
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
@@ -66,6 +73,7 @@ typedef struct kbuf {
     bool prefetched;
     bool early;        /* prefetched against the floor rule, not yet used */
     bool target;       /* during a rebase: in the resident set the plan starts from */
+    bool fixed;        /* STATIC: stays resident (never a victim while another will do) */
     UT_hash_handle hh; /* key -> the newest live buffer with that key */
 } kbuf;
 
@@ -98,6 +106,7 @@ struct spw_policy {
     /* prefetch_early=auto: the early depth is tuned by timing steps that follow the plan */
     int early_max;         /* the depth in force */
     int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
+    int trial_step;        /* steps run of the current trial */
     uint64_t trial_ns[N_TRIALS];
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
@@ -263,11 +272,13 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 
 /* ---- steps ---- */
 
-/* prefetch_early=auto: a step that followed its plan to the end times the trial depth, from
- * its step_begin to the next one (the caller's own wait for the step included); after the last
- * trial the fastest depth stays. A step that diverged says nothing and is retried. */
+/* prefetch_early=auto: the last step of each trial that followed its plan to the end is timed,
+ * from its step_begin to the next one (the caller's own wait for the step included); after the
+ * last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
+    if (++p->trial_step < TRIAL_STEPS) return;
+    p->trial_step = 0;
     p->trial_ns[p->trial] = now - p->step_t0;
     if (++p->trial < N_TRIALS) {
         p->early_max = EARLY_TRIALS[p->trial];
@@ -276,6 +287,7 @@ static void tune_early(spw_policy *p, uint64_t now) {
     int best = 0;
     for (int i = 1; i < N_TRIALS; i++)
         if (p->trial_ns[i] < p->trial_ns[best]) best = i;
+
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
 }
@@ -434,10 +446,13 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
     if (!for_prefetch) check_incoming(p, incoming);
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
     if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
+    bool fixed_ok = p->early_max != PF_STATIC; /* STATIC: the fixed set only as a last resort */
     spw_buf *best = NULL, *free_best = NULL;
     uint64_t best_d = 0, free_d = 0;
+again:
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
         if (b == incoming || !spw__pol_evictable(b)) continue;
+        if (!fixed_ok && kb_of(b) && kb_of(b)->fixed) continue;
         spw_access mode = SPW_ACCESS_READ;
         uint64_t d = distance(p, b, &mode);
         /* free to evict: nothing to write back, or the next access overwrites it anyway */
@@ -451,6 +466,10 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
             free_d = d;
         }
     }
+    if (!best && !fixed_ok && !for_prefetch) { /* a demand load must not fail for the split */
+        fixed_ok = true;
+        goto again;
+    }
     /* Belady counts every eviction alike; a write-back costs a transfer too. A victim that
      * costs nothing and is needed not much sooner than the farthest one is the better buy. */
     if (free_best && free_best != best && free_d >= best_d - best_d / FREE_VICTIM_SLACK) {
@@ -462,7 +481,8 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
          * something that a buffer used before then will outlast (that one is the better
          * victim, once it has been used: prefetching now would only displace it) */
         uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
-        uint64_t floor = p->pf_early ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
+        bool no_floor = p->pf_early || p->early_max == PF_STATIC;
+        uint64_t floor = no_floor ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
         if (best_d <= din || best_d < floor) return NULL;
     }
     return best;
@@ -581,6 +601,63 @@ static void rebase(spw_policy *p, spw_ctx *ctx) {
     set_targets(p, false);
 }
 
+/* ---- STATIC: the fixed set ---- */
+
+static void clear_fixed(spw_policy *p) {
+    kbuf *k, *tmp;
+    HASH_ITER(hh, p->by_key, k, tmp) k->fixed = false;
+}
+
+static void fix_key(spw_policy *p, uint64_t key) {
+    kbuf *k = NULL;
+    HASH_FIND(hh, p->by_key, &key, sizeof(uint64_t), k);
+    if (k) k->fixed = true;
+}
+
+/* Choose the fixed set for the current plan, as an expert places a static split: room for two
+ * of the largest streamed buffers is kept; buffers used more than once a step are fixed first
+ * (streamed, they would cross the link more than once); the rest, in order of first use, are
+ * fixed while the fixed bytes stay within their share of the bytes seen so far, which spreads
+ * them evenly over the step (layer l of N is fixed iff floor((l+1)k/N) > floor(lk/N) when sizes
+ * are equal), so that work on fixed buffers hides each streamed transfer. */
+static void choose_fixed(spw_policy *p) {
+    clear_fixed(p);
+    if (!p->index || !p->nplan) return;
+    size_t cap = plan_capacity(p), total = 0, largest = 0, once = 0;
+    for (size_t i = 0; i < p->nplan; i++) {
+        kpos *e = NULL;
+        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+        if (!e || e->pos[0] != i) continue; /* first uses only */
+        size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
+        total += b;
+        largest = SPW_MAX(largest, b);
+        if (e->n == 1) once += b;
+    }
+    if (total <= cap) { /* everything fits: nothing streams */
+        for (size_t i = 0; i < p->nplan; i++) fix_key(p, p->plan[i].key);
+        return;
+    }
+    if (cap <= 2 * largest) return;
+    size_t room = cap - 2 * largest, used = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        size_t seen = 0, share = pass ? room - used : 0;
+        for (size_t i = 0; i < p->nplan; i++) {
+            kpos *e = NULL;
+            HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+            if (!e || e->pos[0] != i || (pass == 0) != (e->n > 1)) continue;
+            size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
+            seen += b;
+            bool fits = used + b <= room;
+            /* pass 1: within the share of the single-use bytes seen so far */
+            if (pass && fits) fits = (double)(used + b - (room - share)) <= (double)share * (double)seen / (double)once;
+            if (fits) {
+                fix_key(p, e->key);
+                used += b;
+            }
+        }
+    }
+}
+
 /* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
  * must be needed later than every buffer used between now and the prefetched one's use (each
  * of those will be a candidate when it is released). The buffers the caller holds right now
@@ -594,6 +671,10 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
     if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) return;
     (void)just, (void)s;
     if (!predicting(p) || p->early_max == PF_OFF) return;
+    if (!just) { /* a step begins: the fixed set follows the plan and the pipeline in force */
+        if (p->early_max == PF_STATIC) choose_fixed(p);
+        else clear_fixed(p);
+    }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */
     for (size_t i = 0; i < n; i++) {

@@ -270,6 +270,8 @@ def test_stats_summary_and_json():
         assert flat["bytes_h2d.total"] == 1000
         text = ctx.summary()
         assert "backend emu" in text and "bytes_h2d" in text and "largest_free_block" in text
-        assert ctx.memory_summary() == text
+        # the same table; stall times are measured as the stream's events complete, in between
+        steady = [ln for ln in text.splitlines() if "stall" not in ln]
+        assert [ln for ln in ctx.memory_summary().splitlines() if "stall" not in ln] == steady
         js = ctx.summary_json()
         assert js["backend"] == "emu" and js["bytes_h2d"]["total"] == 1000

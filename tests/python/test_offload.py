@@ -419,3 +419,33 @@ def test_hook_overhead_is_measured_and_views_are_reused():
     assert per_acquire_us < 500, per_acquire_us  # loose: CI machines are slow and shared
     assert "us host time per acquire" in off.summary()
     off.remove()
+
+
+def test_device_property_reports_the_execution_device():
+    """A model class whose `device` property reads its first parameter (transformers'
+    PreTrainedModel) reports the execution device while offloaded, not the host views that the
+    parameters are between forwards; remove() gives the class back."""
+
+    class WithDevice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+        @property
+        def device(self):
+            return next(self.parameters()).device
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    m = frozen(WithDevice())
+    x = torch.randn(2, 32)
+    want = m(x)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    assert type(m) is not WithDevice and isinstance(m, WithDevice)
+    assert m.device == off.device
+    assert torch.equal(m(x), want)
+    off.remove()
+    assert type(m) is WithDevice

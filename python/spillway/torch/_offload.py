@@ -413,6 +413,21 @@ class Offload:
     def _typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         return base[offset:offset + nbytes].view(dtype).view(shape)
 
+    def _swap_device_property(self, module: nn.Module) -> None:
+        """A model class with a `device` property (transformers' PreTrainedModel: the first
+        parameter's device) would report the host between forwards, where the parameters are
+        host views, and generate() would build its inputs there. The instance gets a subclass
+        whose `device` is the execution device; remove() gives the original class back."""
+        cls = type(module)
+        self._orig_class = None
+        if not isinstance(getattr(cls, "device", None), property):
+            return
+        dev = self.device
+        sub = type(cls.__name__, (cls,), {"device": property(lambda _self: dev),
+                                          "__module__": cls.__module__})
+        module.__class__ = sub
+        self._orig_class = cls
+
     def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
         for m in hooked:
             if m is module:
@@ -421,6 +436,7 @@ class Offload:
             self._hooks.append(m.register_forward_pre_hook(self._make_pre(units)))
             self._hooks.append(m.register_forward_hook(self._make_post(units)))
         self._top_units = self._needs.get(id(module), [])
+        self._swap_device_property(module)
         self._had_forward_attr = "forward" in module.__dict__
         self._old_forward_attr = module.__dict__.get("forward")
         inner = module.forward
@@ -760,6 +776,9 @@ class Offload:
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
+        if getattr(self, "_orig_class", None) is not None:
+            self.module.__class__ = self._orig_class
+            self._orig_class = None
         if "forward" in self.module.__dict__ and hasattr(self, "_had_forward_attr"):
             if self._had_forward_attr:
                 self.module.forward = self._old_forward_attr  # type: ignore[method-assign]
