@@ -55,7 +55,7 @@ _lib_c = _lib.lib
 _ALIGN = 256
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-_VIEW_CACHE = 4  # device addresses remembered per unit
+_VIEW_CACHE = 32  # device addresses remembered per unit (the arena cycles through a few per unit)
 
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
 
