@@ -159,7 +159,7 @@ typedef struct spw_counter {
     X(managed_collapses, 0, "device replicas of evicted read-only managed buffers dropped")   \
     X(prefetch_hits, 0, "acquires of a buffer made resident by a prefetch")                    \
     X(stalls, 0, "acquires whose stream had to wait on a transfer not yet complete")           \
-    X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (where measured)")    \
+    X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (with the trace on)") \
     X(buffers_resident, 0, "buffers with a device copy")                                       \
     X(buffers_host, 0, "buffers with only a host copy (or dead)")                              \
     X(host_held, 1, "pinned host bytes held by the buffer host pool")                          \

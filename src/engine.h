@@ -178,7 +178,8 @@ void spw__tsink_complete(spw_tsink *t, const char *name, const char *cat, spw_st
 void spw__tsink_instant(spw_tsink *t, const char *name, spw_stream stream, const char *track,
                         uint64_t bytes, uint64_t buf_id);
 /* Enqueue host callbacks around work on stream s (a transfer, or a caller's wait on one) so
- * that its duration is measured on the stream: for the trace, and with `stall` for stall_ns.
+ * that its duration is measured on the stream, only while the trace is on: for the trace, and
+ * with `stall` for stall_ns.
  * Best effort: failures only lose the record. NULL when there is nothing to record. Lock held
  * (for ctx->engine); the callbacks themselves take only the sink's mutex. */
 void *spw__tsink_span_begin(spw_ctx *ctx, spw_stream s, const char *name, const char *track,

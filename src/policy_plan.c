@@ -108,6 +108,8 @@ struct spw_policy {
     int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
     int trial_step;        /* steps run of the current trial */
     uint64_t trial_ns[N_TRIALS];
+    uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
+    uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
     uint64_t created_in_step;
@@ -275,19 +277,46 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 /* prefetch_early=auto: the last step of each trial that followed its plan to the end is timed,
  * from its step_begin to the next one (the caller's own wait for the step included); after the
  * last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
+static double belady_bytes(spw_policy *p, size_t cap, size_t periods);
+static size_t plan_capacity(spw_policy *p);
+static size_t plan_largest(const spw_policy *p);
+
+/* Uploads so far (what the simulation below counts; write-backs are the same in every pipeline). */
+static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stats.bytes_h2d.total; }
+
+/* The long-run bytes a step of pipeline `mode` moves, for the step just timed. Belady's cycle
+ * moves a different number of buffers from step to step (a cyclic scan of N buffers with room for
+ * C moves N(N-C)/(N-1) on average: some steps one more, some one less), so one timed step can be
+ * a lucky one; its time is scaled to the average the cycle settles to (simulated over the plan,
+ * for no prefetch with all the room, for the double buffer with a buffer of room less). STATIC
+ * moves the same set every step. */
+static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
+    size_t cap = plan_capacity(p), largest = plan_largest(p);
+    if (mode == PF_STATIC || !timed) return (double)timed;
+    double e = belady_bytes(p, mode == PF_OFF ? cap : cap > largest ? cap - largest : 0, 16);
+    return e > 0 ? e : (double)timed;
+}
+
 static void tune_early(spw_policy *p, uint64_t now) {
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
     if (++p->trial_step < TRIAL_STEPS) return;
     p->trial_step = 0;
     p->trial_ns[p->trial] = now - p->step_t0;
+    p->trial_bytes[p->trial] = bytes_moved(p) - p->step_bytes0;
     if (++p->trial < N_TRIALS) {
         p->early_max = EARLY_TRIALS[p->trial];
         return;
     }
     int best = 0;
-    for (int i = 1; i < N_TRIALS; i++)
-        if (p->trial_ns[i] < p->trial_ns[best]) best = i;
-
+    double best_t = 0;
+    for (int i = 0; i < N_TRIALS; i++) {
+        double b = (double)p->trial_bytes[i];
+        double t = (double)p->trial_ns[i] * (b > 0 ? expected_bytes(p, EARLY_TRIALS[i], p->trial_bytes[i]) / b : 1.0);
+        if (i == 0 || t < best_t) {
+            best = i;
+            best_t = t;
+        }
+    }
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
 }
@@ -333,6 +362,7 @@ static void plan_step_begin(spw_policy *p) {
     tune_early(p, now);
     p->last_exact = false;
     p->step_t0 = now;
+    p->step_bytes0 = bytes_moved(p);
 }
 
 /* ---- accesses ---- */
@@ -562,6 +592,52 @@ static bool simulate_start(spw_policy *p, size_t cap) {
     }
     free(in);
     return true;
+}
+
+/* Largest buffer the plan reads. */
+static size_t plan_largest(const spw_policy *p) {
+    size_t m = 0;
+    for (size_t i = 0; i < p->nplan; i++) m = SPW_MAX(m, SPW_ALIGN_UP(p->plan[i].bytes, 512));
+    return m;
+}
+
+/* Belady from an empty device over `periods` passes of the plan within `cap` bytes: the mean
+ * upload bytes of the passes after the first (what its cycle settles to). 0 when it cannot say
+ * (host memory, no plan). Bounded work: at most 2^16 plan entries simulated. */
+static double belady_bytes(spw_policy *p, size_t cap, size_t periods) {
+    if (!p->index || !p->nplan || periods < 2) return 0;
+    while (periods > 2 && periods * p->nplan > 65536) periods--;
+    size_t nkeys = HASH_COUNT(p->index), n_in = 0, used = 0;
+    kpos **in = malloc((nkeys ? nkeys : 1) * sizeof *in);
+    if (!in) return 0;
+    kpos *e, *tmp;
+    HASH_ITER(hh, p->index, e, tmp) {
+        e->sim_in = false;
+        e->sim_bytes = SPW_ALIGN_UP(p->plan[e->pos[0]].bytes, 512);
+    }
+    double moved = 0;
+    for (size_t t = 0; t < periods * p->nplan; t++) {
+        size_t i = t % p->nplan;
+        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+        if (!e || e->sim_in || e->sim_bytes > cap) continue;
+        while (used + e->sim_bytes > cap && n_in) {
+            size_t v = 0, vd = 0;
+            for (size_t j = 0; j < n_in; j++) {
+                size_t d = kpos_next(p, in[j], i);
+                if (d > vd) vd = d, v = j;
+            }
+            in[v]->sim_in = false;
+            used -= in[v]->sim_bytes;
+            in[v] = in[--n_in];
+        }
+        e->sim_in = true;
+        used += e->sim_bytes;
+        in[n_in++] = e;
+        if (t >= p->nplan && p->plan[i].mode != SPW_ACCESS_WRITE) moved += (double)e->sim_bytes;
+    }
+    HASH_ITER(hh, p->index, e, tmp) e->sim_in = false;
+    free(in);
+    return moved / (double)(periods - 1);
 }
 
 static void set_targets(spw_policy *p, bool from_sim) {
