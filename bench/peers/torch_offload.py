@@ -111,9 +111,10 @@ class Skip(Exception):
 
 
 def spillway_attach(cfg, model, blocks, policy):
-    """offload() the model; returns (handle, note). The benchmark moves to the device whatever
-    spillway leaves in host memory outside its blocks (embeddings, head, rotary buffers) only if
-    spillway does not manage it, and says so in the note, since peers count that in the budget."""
+    """offload() the model; returns (handle, note). Between forwards every tensor offload()
+    manages is a view of its pinned host copy, on the cpu by design; anything it does not manage
+    and left in host memory is moved to the device (outside its budget) and the note says so,
+    since the peers count that in the budget."""
     try:
         import spillway.torch as st
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
@@ -124,20 +125,19 @@ def spillway_attach(cfg, model, blocks, policy):
                      backend="cuda" if cfg.cuda else "emu")
     note = ""
     if cfg.cuda:
-        inside = {id(m) for b in blocks for m in b.modules()}
+        managed = {id(e.tensor) for u in off.units for e in u.entries}
         moved = 0
         for m in model.modules():
-            if id(m) in inside:
-                continue
             for n, p in list(m._parameters.items()):
-                if p is not None and p.device.type == "cpu":
-                    m._parameters[n] = nn.Parameter(p.data.to(cfg.dev), requires_grad=False)
+                if p is not None and p.device.type == "cpu" and id(p) not in managed:
+                    m._parameters[n] = nn.Parameter(p.data.to(cfg.dev), requires_grad=p.requires_grad)
                     moved += p.numel() * p.element_size()
             for n, t in list(m._buffers.items()):
-                if t is not None and t.device.type == "cpu":
+                if t is not None and t.device.type == "cpu" and id(t) not in managed:
                     m._buffers[n] = t.to(cfg.dev)
+                    moved += t.numel() * t.element_size()
         if moved:
-            note = f"{moved / MiB:.0f} MiB outside the blocks left on host by offload(): moved to device, outside its budget"
+            note = f"{moved / MiB:.0f} MiB not managed by offload() left on host: moved to device, outside its budget"
     return off, note
 
 
@@ -552,12 +552,16 @@ def check(out, ref, what):
     return bool(torch.equal(out.cpu(), ref[..., :out.shape[-1]] if out.dtype == torch.long else ref))
 
 
-def measure(cfg, v, fn, passes, ref, what):
-    """One validation pass, then passes-1 timed ones; the median, moved bytes per forward, the
-    torch peak and (spillway) hook figures over the timed ones."""
+def measure(cfg, v, fn, passes, ref, what, warmup=0):
+    """One validation pass, `warmup` untimed ones (a learning policy's first steps, as a user's
+    first iterations), then passes-1 timed ones; the median, moved bytes per forward, the torch
+    peak and (spillway) hook figures over the timed ones."""
     out = fn()
     sync(cfg)
     eq = check(out, ref, what)
+    for _ in range(warmup):
+        out = fn()
+    sync(cfg)
     first = out.cpu()
     f0, m0 = v.forwards, v.moved()
     s0 = spillway_figures(v.off) if v.off is not None else None
@@ -715,7 +719,8 @@ def run_child(cfg, workload, name):
                         v.streamer.detach()
                     note = split_search_a(cfg, v, model, x, refs.get(key), batch)
                 t = time.perf_counter()
-                r, out = measure(cfg, v, lambda: model(x), cfg.a_passes, refs.get(key), key)
+                r, out = measure(cfg, v, lambda: model(x), cfg.a_passes, refs.get(key), key,
+                                 warmup=cfg.warmup)
                 if is_ref:
                     refs[key] = out
                 rows.append(dict(r, workload="a", phase=key, variant=name, note=note,
@@ -733,7 +738,7 @@ def run_child(cfg, workload, name):
             passes = min(cfg.prefill_passes, 3) if accel else cfg.prefill_passes
             t = time.perf_counter()
             r, out = measure(cfg, v, lambda: model(input_ids=ids, use_cache=False).logits, passes,
-                             refs.get("prefill"), "prefill")
+                             refs.get("prefill"), "prefill", warmup=0 if accel else cfg.warmup)
             if is_ref:
                 refs["prefill"] = out
             del out
@@ -816,7 +821,7 @@ def child_argv(args, workload, variant, ref_dir):
             "--tokens", str(args.tokens), "--accel-tokens", str(args.accel_tokens),
             "--passes", str(args.passes), "--prefill-passes", str(args.prefill_passes),
             "--decode-passes", str(args.decode_passes), "--search-passes", str(args.search_passes),
-            "--split-fit", args.split_fit]
+            "--warmup", str(args.warmup), "--split-fit", args.split_fit]
     return argv + (["--smoke"] if args.smoke else [])
 
 
@@ -873,10 +878,13 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ",".join(VARIANTS))
     p.add_argument("--budget", default=None,
                    help="device budget: 'A,B' for workloads a and b, or one size for both "
-                        "(default 2GiB,6GiB; --smoke 640KiB,320KiB)")
+                        "(default 2GiB,6GiB; --smoke 4MiB,4MiB)")
     p.add_argument("--tokens", type=int, default=None, help="decode: new tokens (default 64; smoke 8)")
     p.add_argument("--accel-tokens", type=int, default=4, help="decode tokens timed for accelerate")
     p.add_argument("--passes", type=int, default=6, help="(a): passes per batch, first is validation")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untimed passes after the validation one, for every variant but accelerate's "
+                        "(plan learns in its first step and times its pipelines in the next six)")
     p.add_argument("--prefill-passes", type=int, default=3, help="(b) prefill: passes, first is validation")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")
     p.add_argument("--search-passes", type=int, default=2, help="(a) static split: timed passes per candidate")
@@ -889,7 +897,7 @@ def main():
     p.add_argument("--ref-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
 
-    budgets = (args.budget or ("640KiB,320KiB" if args.smoke else "2GiB,6GiB")).split(",")
+    budgets = (args.budget or ("4MiB,4MiB" if args.smoke else "2GiB,6GiB")).split(",")
     if len(budgets) == 1:
         budgets *= 2
     args.budget = ",".join(budgets)
@@ -906,7 +914,7 @@ def main():
     cfg = types.SimpleNamespace(smoke=args.smoke, tokens=args.tokens, accel_tokens=args.accel_tokens,
                                 a_passes=args.passes, prefill_passes=args.prefill_passes,
                                 decode_passes=args.decode_passes, search_passes=args.search_passes,
-                                ref_dir=args.ref_dir)
+                                warmup=args.warmup, ref_dir=args.ref_dir)
     cfg.dev = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     cfg.cuda = cfg.dev.type == "cuda"
     if cfg.cuda and not torch.cuda.is_available():
