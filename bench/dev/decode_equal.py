@@ -7,7 +7,7 @@ bf16, random weights), batch 8, prompt 512, 16 tokens with the KV cache:
   resident, realigned       the same weights copied to addresses 256 bytes past a 512-byte
                             boundary (where offload's packed views can land): does cuBLAS pick
                             other kernels by alignment?
-  spillway offload (plan)   budget of two layers
+  spillway offload (plan)   budget of two layers and 600 MiB (the whole is 2.1 GiB)
 
 Prints, for each, whether the tokens are bitwise equal and the first step whose logits differ.
     SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/dev/decode_equal.py
@@ -24,6 +24,7 @@ cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hi
 with torch.device(dev):
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 ids = torch.randint(0, 32000, (8, 512), device=dev)
+host = copy.deepcopy(model).cpu().requires_grad_(False)  # the offloaded copy, before realigning
 
 
 def greedy(m, n=16):
@@ -63,9 +64,8 @@ report("resident, realigned", greedy(model), ref)
 
 import spillway.torch as spt  # noqa: E402
 
-host = copy.deepcopy(model).cpu().requires_grad_(False)
 layer_bytes = sum(p.numel() * p.element_size() for p in host.model.layers[0].parameters())
-off = spt.offload(host, budget=3 * layer_bytes + (1 << 30), policy="plan", backend="cuda")
+off = spt.offload(host, budget=2 * layer_bytes + (600 << 20), policy="plan", backend="cuda")
 report("spillway offload, plan", greedy(host), ref)
 print(off.summary())
 off.remove()
