@@ -67,5 +67,5 @@ import spillway.torch as spt  # noqa: E402
 layer_bytes = sum(p.numel() * p.element_size() for p in host.model.layers[0].parameters())
 off = spt.offload(host, budget=2 * layer_bytes + (600 << 20), policy="plan", backend="cuda")
 report("spillway offload, plan", greedy(host), ref)
-print(off.summary())
+
 off.remove()
