@@ -559,9 +559,11 @@ static size_t plan_capacity(spw_policy *p) {
     return other < 0 ? p->ctx->budget : other >= (int64_t)p->ctx->budget ? 0 : p->ctx->budget - (size_t)other;
 }
 
-/* Belady from an empty device over one pass of the plan within `cap` bytes: sets sim_in on the
- * keys resident at the end (the boundary to the next step). False on host allocation failure. */
-static bool simulate_start(spw_policy *p, size_t cap) {
+/* Belady from an empty device over `periods` passes of the plan within `cap` bytes. Leaves
+ * sim_in set on the keys resident at the end (after one pass: at the boundary to the next
+ * step); *moved receives the mean upload bytes of the passes after the first (what its cycle
+ * settles to; 0 with one pass). False on host allocation failure. */
+static bool belady_run(spw_policy *p, size_t cap, size_t periods, double *moved) {
     size_t nkeys = HASH_COUNT(p->index), n_in = 0, used = 0;
     kpos **in = malloc((nkeys ? nkeys : 1) * sizeof *in);
     if (!in) return false;
@@ -573,49 +575,7 @@ static bool simulate_start(spw_policy *p, size_t cap) {
         e->sim_bytes = k && spw__pol_resident(k->buf) ? spw__pol_device_bytes(k->buf)
                                                        : SPW_ALIGN_UP(p->plan[e->pos[0]].bytes, 512);
     }
-    for (size_t i = 0; i < p->nplan; i++) {
-        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-        if (!e || e->sim_in || e->sim_bytes > cap) continue;
-        while (used + e->sim_bytes > cap && n_in) {
-            size_t v = 0, vd = 0;
-            for (size_t j = 0; j < n_in; j++) {
-                size_t d = kpos_next(p, in[j], i);
-                if (d > vd) vd = d, v = j;
-            }
-            in[v]->sim_in = false;
-            used -= in[v]->sim_bytes;
-            in[v] = in[--n_in];
-        }
-        e->sim_in = true;
-        used += e->sim_bytes;
-        in[n_in++] = e;
-    }
-    free(in);
-    return true;
-}
-
-/* Largest buffer the plan reads. */
-static size_t plan_largest(const spw_policy *p) {
-    size_t m = 0;
-    for (size_t i = 0; i < p->nplan; i++) m = SPW_MAX(m, SPW_ALIGN_UP(p->plan[i].bytes, 512));
-    return m;
-}
-
-/* Belady from an empty device over `periods` passes of the plan within `cap` bytes: the mean
- * upload bytes of the passes after the first (what its cycle settles to). 0 when it cannot say
- * (host memory, no plan). Bounded work: at most 2^16 plan entries simulated. */
-static double belady_bytes(spw_policy *p, size_t cap, size_t periods) {
-    if (!p->index || !p->nplan || periods < 2) return 0;
-    while (periods > 2 && periods * p->nplan > 65536) periods--;
-    size_t nkeys = HASH_COUNT(p->index), n_in = 0, used = 0;
-    kpos **in = malloc((nkeys ? nkeys : 1) * sizeof *in);
-    if (!in) return 0;
-    kpos *e, *tmp;
-    HASH_ITER(hh, p->index, e, tmp) {
-        e->sim_in = false;
-        e->sim_bytes = SPW_ALIGN_UP(p->plan[e->pos[0]].bytes, 512);
-    }
-    double moved = 0;
+    double sum = 0;
     for (size_t t = 0; t < periods * p->nplan; t++) {
         size_t i = t % p->nplan;
         HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
@@ -633,11 +593,35 @@ static double belady_bytes(spw_policy *p, size_t cap, size_t periods) {
         e->sim_in = true;
         used += e->sim_bytes;
         in[n_in++] = e;
-        if (t >= p->nplan && p->plan[i].mode != SPW_ACCESS_WRITE) moved += (double)e->sim_bytes;
+        if (t >= p->nplan && p->plan[i].mode != SPW_ACCESS_WRITE) sum += (double)e->sim_bytes;
     }
-    HASH_ITER(hh, p->index, e, tmp) e->sim_in = false;
     free(in);
-    return moved / (double)(periods - 1);
+    *moved = periods > 1 ? sum / (double)(periods - 1) : 0;
+    return true;
+}
+
+static bool simulate_start(spw_policy *p, size_t cap) {
+    double moved;
+    return belady_run(p, cap, 1, &moved);
+}
+
+/* Largest buffer the plan reads. */
+static size_t plan_largest(const spw_policy *p) {
+    size_t m = 0;
+    for (size_t i = 0; i < p->nplan; i++) m = SPW_MAX(m, SPW_ALIGN_UP(p->plan[i].bytes, 512));
+    return m;
+}
+
+/* The mean upload bytes of a pass in the cycle Belady settles to within `cap` (at most 2^16
+ * plan entries simulated); 0 when it cannot say. */
+static double belady_bytes(spw_policy *p, size_t cap, size_t periods) {
+    if (!p->index || !p->nplan || periods < 2) return 0;
+    while (periods > 2 && periods * p->nplan > 65536) periods--;
+    double moved = 0;
+    bool ok = belady_run(p, cap, periods, &moved);
+    kpos *e, *tmp;
+    HASH_ITER(hh, p->index, e, tmp) e->sim_in = false;
+    return ok ? moved : 0;
 }
 
 static void set_targets(spw_policy *p, bool from_sim) {

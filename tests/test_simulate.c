@@ -157,6 +157,24 @@ static void test_engine_cyclic64_lru(void **state) {
     free(out);
 }
 
+/* ENGINE: policy=plan on 48 layers of 16-96 MiB in a cycle (tests/data/varcyclic48.access,
+ * scaled by 2: every size stays a multiple of the 2 MiB page) at 75%: after the first step it
+ * moves no more than 1.05x the oracle's bytes (it reaches Belady's cycle from an empty device;
+ * from LRU's leftovers it would move 1.16x) and less than the LRU model. */
+static void test_engine_varcyclic_plan(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    snprintf(args, sizeof args, "simulate %s/varcyclic48.access --budget 75%% --scale 2 --policy plan "
+             "--json --compare", SPW_TEST_DATA_DIR);
+    int rc = run_cli(args, &out);
+    if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
+    double oracle = number(out, "ratio_to_oracle_after_first"), lru = number(out, "ratio_to_lru_model_after_first");
+    if (!(oracle > 0 && oracle <= 1.05)) fail_msg("plan / oracle after the first step = %g (want <= 1.05): %s", oracle, out);
+    if (!(lru > 0 && lru < 1)) fail_msg("plan / LRU model after the first step = %g (want < 1)", lru);
+    assert_int_equal(number(out, "data_errors"), 0);
+    free(out);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_usage),
@@ -164,6 +182,7 @@ int main(void) {
         cmocka_unit_test(test_model_only_json),
         cmocka_unit_test(test_engine_json),         /* ENGINE */
         cmocka_unit_test(test_engine_cyclic64_lru), /* ENGINE */
+        cmocka_unit_test(test_engine_varcyclic_plan), /* ENGINE */
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
