@@ -143,7 +143,31 @@ def options_help() -> str:
     return text
 
 
-class Context:
+class _Closeable:
+    """A handle that close() releases: usable as a context manager, closed when collected
+    (errors at collection are swallowed: there is nobody to report them to)."""
+
+    def close(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def destroy(self) -> None:
+        """The same as close()."""
+        self.close()
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context(_Closeable):
     """One device, one backend, one budget: spw_ctx.
 
     Context(budget="6GiB", policy="plan", backend="auto", **options). Sizes are ints (bytes) or
@@ -190,20 +214,6 @@ class Context:
             child._orphan()
         handle, self._handle = self._handle, None
         check(lib.spw_ctx_destroy(handle))
-
-    destroy = close
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if self.closed:
@@ -329,7 +339,7 @@ class Context:
         return text
 
 
-class Stream:
+class Stream(_Closeable):
     """A stream of a Context's backend. On cuda, .cuda_stream is the cudaStream_t address, so a
     Stream can be handed to torch.cuda.ExternalStream."""
 
@@ -358,20 +368,8 @@ class Stream:
             check(lib.spw_stream_destroy(self._ctx._handle, handle))
         self._orphan()
 
-    def __enter__(self) -> "Stream":
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Buffer:
+class Buffer(_Closeable):
     """A movable buffer (spw_buf): a host copy, and a device copy while resident.
 
     Use `with buf.acquired("r", stream) as devptr:` (or acquire()/release()) around device work.
@@ -516,20 +514,6 @@ class Buffer:
                 raise error_for(st)
         self._handle = None
         self._keep = None
-
-    destroy = close
-
-    def __enter__(self) -> "Buffer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if not self._handle:
