@@ -23,101 +23,21 @@
  * the plan was confirmed (the step that recorded it followed its predecessor exactly) and the
  * current step has followed it so far: the program has overwritten that buffer before reading
  * it at this point in at least two consecutive steps.
+ *
+ * Where buffers should be is worked out in policy_plan_layout.c: the start state of the first
+ * plan (Belady's cycle from an empty device, moved to once) and STATIC's fixed set. Which
+ * pipeline runs (no prefetch, the double buffer, STATIC) is chosen here by timing steps.
  */
 #include <stdlib.h>
 #include <string.h>
-/* uthash must never exit: a failed table allocation only sets this flag (checked after adds) */
-static _Thread_local int hash_oom;
-#define HASH_NONFATAL_OOM 1
-#define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
-#include <uthash.h>
 
-#include "policy.h"
+#include "policy_plan.h"
 
-#define IN_STEP_KEY (1ull << 63)
-#define FAR UINT64_MAX
-#define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
-/* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps of which the last is
- * timed (the first settles the change of resident set); the fastest is kept.
- * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
- * transfer serialised with the work that frees its room; worth it where work hides less than a
- * transfer (small batches).
- * 0: Belady with a double buffer: the next buffer moves during the current work.
- * STATIC: the expert's split, found from the plan: a fixed set stays resident, spread over the
- * step so that work runs between the others, which stream through two buffers of room, each
- * prefetched as soon as the one it replaces is released, back to back on the link; the same
- * bytes as the double buffer but no idle link during runs of resident buffers (large batches).
- * (Measured on the H200, deeper early prefetch than the double buffer was never faster than
- * STATIC, and every trial step pays its extra bytes.) */
-#define PF_OFF (-1)
-#define PF_STATIC (-2)
-#define N_TRIALS 3
-#define TRIAL_STEPS 2
+_Thread_local int spw__plan_hash_oom;
+
+/* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC). */
 static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC};
 
-#ifndef FREE_VICTIM_SLACK
-#define FREE_VICTIM_SLACK 2
-#endif
-
-
-typedef struct plan_entry {
-    uint64_t key;
-    size_t bytes;
-    spw_access mode;
-} plan_entry;
-
-/* Per buffer (node->data): its key and whether the plan prefetched it (not yet acquired). */
-typedef struct kbuf {
-    uint64_t key;
-    spw_buf *buf;
-    bool prefetched;
-    bool early;        /* prefetched against the floor rule, not yet used */
-    bool target;       /* during a rebase: in the resident set the plan starts from */
-    bool fixed;        /* STATIC: stays resident (never a victim while another will do) */
-    UT_hash_handle hh; /* key -> the newest live buffer with that key */
-} kbuf;
-
-/* Positions of a key in the plan, ascending. */
-typedef struct kpos {
-    uint64_t key;
-    uint32_t *pos;
-    uint32_t n, cap;
-    size_t sim_bytes; /* start-state simulation: device bytes the buffer takes */
-    bool sim_in;      /* start-state simulation: resident at the step boundary */
-    UT_hash_handle hh;
-} kpos;
-
-struct spw_policy {
-    spw_ctx *ctx;
-    spw_policy *lru; /* recency order, kept up to date always; the fallback */
-    kbuf *by_key;
-    plan_entry *plan, *rec;
-    size_t nplan, nrec, cap_plan, cap_rec;
-    kpos *index;     /* over plan */
-    size_t cursor;   /* next expected plan entry */
-    bool in_step;
-    bool following;  /* in a step, with a plan, no divergence yet */
-    bool confirmed;  /* the plan was recorded by a step that followed its own plan exactly */
-    bool rec_ok;     /* the recording is complete (no host allocation failure) */
-    uint64_t pf_floor; /* during the policy's own prefetch: a victim must be needed later */
-    bool pf_own;       /* pf_floor is set (else choose_victim computes it for a user hint) */
-    bool pf_early;     /* the current prefetch may ignore the floor (an early slot is free) */
-    int early;         /* buffers prefetched early and not used or evicted since */
-    /* prefetch_early=auto: the early depth is tuned by timing steps that follow the plan */
-    int early_max;         /* the depth in force */
-    int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
-    int trial_step;        /* steps run of the current trial */
-    uint64_t trial_ns[N_TRIALS];
-    uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
-    uint64_t step_bytes0;  /* bytes moved before the current step began */
-    uint64_t step_t0;      /* when the current step began (0: none yet) */
-    bool last_exact;       /* the step that just ended followed its plan to the end */
-    uint64_t created_in_step;
-    bool rebase_due;       /* a new plan was learned from a step that did not follow one */
-    bool rebasing;         /* choose_victim: only buffers outside the target set */
-};
-
-static kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
 
 /* ---- plan index ---- */
 
@@ -139,9 +59,9 @@ static bool index_build(spw_policy *p) {
             e = calloc(1, sizeof *e);
             if (!e) goto fail;
             e->key = p->plan[i].key;
-            hash_oom = 0;
+            spw__plan_hash_oom = 0;
             HASH_ADD(hh, p->index, key, sizeof(uint64_t), e);
-            if (hash_oom) {
+            if (spw__plan_hash_oom) {
                 kpos *in = NULL;
                 HASH_FIND(hh, p->index, &e->key, sizeof(uint64_t), in);
                 if (!in) free(e);
@@ -247,10 +167,10 @@ static void plan_on_create(spw_policy *p, spw_buf *b) {
     k->buf = b;
     k->key = p->in_step ? (IN_STEP_KEY | p->created_in_step++) : spw__pol_id(b);
     kbuf *old = NULL;
-    hash_oom = 0;
+    spw__plan_hash_oom = 0;
     HASH_REPLACE(hh, p->by_key, key, sizeof(uint64_t), k, old);
     (void)old; /* an older live buffer with that key is simply no longer found by key */
-    if (hash_oom) {
+    if (spw__plan_hash_oom) {
         kbuf *in = NULL;
         HASH_FIND(hh, p->by_key, &k->key, sizeof(uint64_t), in);
         if (in == k) HASH_DEL(p->by_key, k);
@@ -277,10 +197,6 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 /* prefetch_early=auto: the last step of each trial that followed its plan to the end is timed,
  * from its step_begin to the next one (the caller's own wait for the step included); after the
  * last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
-static double belady_bytes(spw_policy *p, size_t cap, size_t periods);
-static size_t plan_capacity(spw_policy *p);
-static size_t plan_largest(const spw_policy *p);
-
 /* Uploads so far (what the simulation below counts; write-backs are the same in every pipeline). */
 static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stats.bytes_h2d.total; }
 
@@ -291,9 +207,9 @@ static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stat
  * for no prefetch with all the room, for the double buffer with a buffer of room less). STATIC
  * moves the same set every step. */
 static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
-    size_t cap = plan_capacity(p), largest = plan_largest(p);
+    size_t cap = spw__plan_capacity(p), largest = spw__plan_largest(p);
     if (mode == PF_STATIC || !timed) return (double)timed;
-    double e = belady_bytes(p, mode == PF_OFF ? cap : cap > largest ? cap - largest : 0, 16);
+    double e = spw__plan_belady_bytes(p, mode == PF_OFF ? cap : cap > largest ? cap - largest : 0, 16);
     return e > 0 ? e : (double)timed;
 }
 
@@ -525,206 +441,13 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     return !(d != FAR && mode == SPW_ACCESS_WRITE);
 }
 
-/* ---- the start state of a new plan ----
- *
- * Belady's rule is optimal from whatever the device holds, but over a repeating plan the set
- * the recording step leaves (LRU's: the last buffers of the step) leads into a costlier cycle
- * than the one Belady reaches from an empty device. On a cyclic scan the two cycles differ by
- * one buffer a step; with buffers of 16-96 MiB by 6-16% of the bytes of the next five steps
- * (simulated). So once, when the first plan is learned (the step that ended ran without one),
- * the policy works out the set Belady would hold at the step boundary had it started empty, and
- * moves there at once, at the end of that first step: uploads of at most one budget, victims
- * only outside the set. The step that pays is the one that already paid every cold upload. */
-
-/* Next position of e's key strictly after plan position i, wrapping into the next step. */
-static size_t kpos_next(const spw_policy *p, const kpos *e, size_t i) {
-    uint32_t lo = 0, hi = e->n;
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2;
-        if (e->pos[mid] <= i) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo < e->n ? e->pos[lo] : e->pos[0] + p->nplan;
-}
-
-/* Device bytes the plan's buffers may use: the budget less what other allocations hold live. */
-static size_t plan_capacity(spw_policy *p) {
-    int64_t other = p->ctx->stats.live.current;
-    for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
-        kbuf *k = kb_of(b);
-        kpos *e = NULL;
-        if (k) HASH_FIND(hh, p->index, &k->key, sizeof(uint64_t), e);
-        if (e && spw__pol_resident(b)) other -= (int64_t)spw__pol_device_bytes(b);
-    }
-    return other < 0 ? p->ctx->budget : other >= (int64_t)p->ctx->budget ? 0 : p->ctx->budget - (size_t)other;
-}
-
-/* Belady from an empty device over `periods` passes of the plan within `cap` bytes. Leaves
- * sim_in set on the keys resident at the end (after one pass: at the boundary to the next
- * step); *moved receives the mean upload bytes of the passes after the first (what its cycle
- * settles to; 0 with one pass). False on host allocation failure. */
-static bool belady_run(spw_policy *p, size_t cap, size_t periods, double *moved) {
-    size_t nkeys = HASH_COUNT(p->index), n_in = 0, used = 0;
-    kpos **in = malloc((nkeys ? nkeys : 1) * sizeof *in);
-    if (!in) return false;
-    kpos *e, *tmp;
-    HASH_ITER(hh, p->index, e, tmp) {
-        kbuf *k = NULL;
-        HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
-        e->sim_in = false;
-        e->sim_bytes = k && spw__pol_resident(k->buf) ? spw__pol_device_bytes(k->buf)
-                                                       : SPW_ALIGN_UP(p->plan[e->pos[0]].bytes, 512);
-    }
-    double sum = 0;
-    for (size_t t = 0; t < periods * p->nplan; t++) {
-        size_t i = t % p->nplan;
-        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-        if (!e || e->sim_in || e->sim_bytes > cap) continue;
-        while (used + e->sim_bytes > cap && n_in) {
-            size_t v = 0, vd = 0;
-            for (size_t j = 0; j < n_in; j++) {
-                size_t d = kpos_next(p, in[j], i);
-                if (d > vd) vd = d, v = j;
-            }
-            in[v]->sim_in = false;
-            used -= in[v]->sim_bytes;
-            in[v] = in[--n_in];
-        }
-        e->sim_in = true;
-        used += e->sim_bytes;
-        in[n_in++] = e;
-        if (t >= p->nplan && p->plan[i].mode != SPW_ACCESS_WRITE) sum += (double)e->sim_bytes;
-    }
-    free(in);
-    *moved = periods > 1 ? sum / (double)(periods - 1) : 0;
-    return true;
-}
-
-static bool simulate_start(spw_policy *p, size_t cap) {
-    double moved;
-    return belady_run(p, cap, 1, &moved);
-}
-
-/* Largest buffer the plan reads. */
-static size_t plan_largest(const spw_policy *p) {
-    size_t m = 0;
-    for (size_t i = 0; i < p->nplan; i++) m = SPW_MAX(m, SPW_ALIGN_UP(p->plan[i].bytes, 512));
-    return m;
-}
-
-/* The mean upload bytes of a pass in the cycle Belady settles to within `cap` (at most 2^16
- * plan entries simulated); 0 when it cannot say. */
-static double belady_bytes(spw_policy *p, size_t cap, size_t periods) {
-    if (!p->index || !p->nplan || periods < 2) return 0;
-    while (periods > 2 && periods * p->nplan > 65536) periods--;
-    double moved = 0;
-    bool ok = belady_run(p, cap, periods, &moved);
-    kpos *e, *tmp;
-    HASH_ITER(hh, p->index, e, tmp) e->sim_in = false;
-    return ok ? moved : 0;
-}
-
-static void set_targets(spw_policy *p, bool from_sim) {
-    kpos *e, *tmp;
-    HASH_ITER(hh, p->index, e, tmp) {
-        kbuf *k = NULL;
-        HASH_FIND(hh, p->by_key, &e->key, sizeof(uint64_t), k);
-        if (k) k->target = from_sim && e->sim_in;
-    }
-}
-
-/* Move to the start state: upload the target buffers the plan reads first, soonest first,
- * evicting only buffers outside the target set; stop at the first that finds no room. */
-static void rebase(spw_policy *p, spw_ctx *ctx) {
-    p->rebase_due = false;
-    if (!p->index || !p->nplan || !simulate_start(p, plan_capacity(p))) return;
-    set_targets(p, true);
-    p->cursor = 0;
-    p->rebasing = true;
-    for (size_t i = 0; i < p->nplan; i++) {
-        const plan_entry *pe = &p->plan[i];
-        kpos *e = NULL;
-        kbuf *k = NULL;
-        HASH_FIND(hh, p->index, &pe->key, sizeof(uint64_t), e);
-        if (!e || !e->sim_in) continue;
-        e->sim_in = false; /* the first use decides; a buffer first overwritten needs no upload */
-        HASH_FIND(hh, p->by_key, &pe->key, sizeof(uint64_t), k);
-        if (!k || pe->mode == SPW_ACCESS_WRITE || spw__pol_resident(k->buf) || spw__pol_acquired(k->buf))
-            continue;
-        spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
-        if (st == SPW_ERR_OUT_OF_MEMORY) spw__error_clear();
-        if (st != SPW_OK || !spw__pol_resident(k->buf)) break;
-        k->prefetched = true;
-        spw__stat_add(&p->ctx->stats.plan_prefetch_bytes, (int64_t)spw__pol_bytes(k->buf));
-    }
-    p->rebasing = false;
-    set_targets(p, false);
-}
-
-/* ---- STATIC: the fixed set ---- */
-
-static void clear_fixed(spw_policy *p) {
-    kbuf *k, *tmp;
-    HASH_ITER(hh, p->by_key, k, tmp) k->fixed = false;
-}
-
-static void fix_key(spw_policy *p, uint64_t key) {
-    kbuf *k = NULL;
-    HASH_FIND(hh, p->by_key, &key, sizeof(uint64_t), k);
-    if (k) k->fixed = true;
-}
-
-/* Choose the fixed set for the current plan, as an expert places a static split: room for two
- * of the largest streamed buffers is kept; buffers used more than once a step are fixed first
- * (streamed, they would cross the link more than once); the rest, in order of first use, are
- * fixed while the fixed bytes stay within their share of the bytes seen so far, which spreads
- * them evenly over the step (layer l of N is fixed iff floor((l+1)k/N) > floor(lk/N) when sizes
- * are equal), so that work on fixed buffers hides each streamed transfer. */
-static void choose_fixed(spw_policy *p) {
-    clear_fixed(p);
-    if (!p->index || !p->nplan) return;
-    size_t cap = plan_capacity(p), total = 0, largest = 0, once = 0;
-    for (size_t i = 0; i < p->nplan; i++) {
-        kpos *e = NULL;
-        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-        if (!e || e->pos[0] != i) continue; /* first uses only */
-        size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
-        total += b;
-        largest = SPW_MAX(largest, b);
-        if (e->n == 1) once += b;
-    }
-    if (total <= cap) { /* everything fits: nothing streams */
-        for (size_t i = 0; i < p->nplan; i++) fix_key(p, p->plan[i].key);
-        return;
-    }
-    if (cap <= 2 * largest) return;
-    size_t room = cap - 2 * largest, used = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        size_t seen = 0, share = pass ? room - used : 0;
-        for (size_t i = 0; i < p->nplan; i++) {
-            kpos *e = NULL;
-            HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-            if (!e || e->pos[0] != i || (pass == 0) != (e->n > 1)) continue;
-            size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
-            seen += b;
-            bool fits = used + b <= room;
-            /* pass 1: within the share of the single-use bytes seen so far */
-            if (pass && fits) fits = (double)(used + b - (room - share)) <= (double)share * (double)seen / (double)once;
-            if (fits) {
-                fix_key(p, e->key);
-                used += b;
-            }
-        }
-    }
-}
-
 /* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
  * must be needed later than every buffer used between now and the prefetched one's use (each
  * of those will be a candidate when it is released). The buffers the caller holds right now
  * are exempt: that one exemption is the double buffer that lets the transfer of the next
  * buffer overlap the work on the current one. */
 static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
-    if (p->rebase_due && !just) rebase(p, ctx); /* at the first plan's step_end or step_begin */
+    if (p->rebase_due && !just) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
     /* auto: a double buffer buys overlap only where a transfer takes time; on the instant
      * emulated device it would only cost a buffer of room */
     spw_tristate pf = p->ctx->cfg.prefetch;
@@ -732,8 +455,8 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
     (void)just, (void)s;
     if (!predicting(p) || p->early_max == PF_OFF) return;
     if (!just) { /* a step begins: the fixed set follows the plan and the pipeline in force */
-        if (p->early_max == PF_STATIC) choose_fixed(p);
-        else clear_fixed(p);
+        if (p->early_max == PF_STATIC) spw__plan_choose_fixed(p);
+        else spw__plan_clear_fixed(p);
     }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */

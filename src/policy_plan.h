@@ -1,0 +1,118 @@
+/*
+ * policy_plan.h: private to the plan policy (policy_plan.c: recording, following, victims,
+ * prefetch and the timed choice of pipeline; policy_plan_layout.c: where buffers should be, the
+ * start state of a new plan and STATIC's fixed set). Not a public or engine-wide header.
+ */
+#ifndef SPW_POLICY_PLAN_H
+#define SPW_POLICY_PLAN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+/* uthash must never exit: a failed table allocation only sets this flag (checked after adds) */
+extern _Thread_local int spw__plan_hash_oom;
+#define HASH_NONFATAL_OOM 1
+#define uthash_nonfatal_oom(obj) ((void)(obj), spw__plan_hash_oom = 1)
+#include <uthash.h>
+
+#include "policy.h"
+
+#define IN_STEP_KEY (1ull << 63)
+#define FAR UINT64_MAX
+#define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
+/* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps of which the last is
+ * timed (the first settles the change of resident set); the fastest is kept.
+ * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
+ * transfer serialised with the work that frees its room; worth it where work hides less than a
+ * transfer (small batches).
+ * 0: Belady with a double buffer: the next buffer moves during the current work.
+ * STATIC: the expert's split, found from the plan: a fixed set stays resident, spread over the
+ * step so that work runs between the others, which stream through two buffers of room, each
+ * prefetched as soon as the one it replaces is released, back to back on the link; the same
+ * bytes as the double buffer but no idle link during runs of resident buffers (large batches).
+ * (Measured on the H200, deeper early prefetch than the double buffer was never faster than
+ * STATIC, and every trial step pays its extra bytes.) */
+#define PF_OFF (-1)
+#define PF_STATIC (-2)
+#define N_TRIALS 3
+#define TRIAL_STEPS 2
+
+#ifndef FREE_VICTIM_SLACK
+#define FREE_VICTIM_SLACK 2
+#endif
+
+
+typedef struct plan_entry {
+    uint64_t key;
+    size_t bytes;
+    spw_access mode;
+} plan_entry;
+
+/* Per buffer (node->data): its key and whether the plan prefetched it (not yet acquired). */
+typedef struct kbuf {
+    uint64_t key;
+    spw_buf *buf;
+    bool prefetched;
+    bool early;        /* prefetched against the floor rule, not yet used */
+    bool target;       /* during a rebase: in the resident set the plan starts from */
+    bool fixed;        /* STATIC: stays resident (never a victim while another will do) */
+    UT_hash_handle hh; /* key -> the newest live buffer with that key */
+} kbuf;
+
+/* Positions of a key in the plan, ascending. */
+typedef struct kpos {
+    uint64_t key;
+    uint32_t *pos;
+    uint32_t n, cap;
+    size_t sim_bytes; /* start-state simulation: device bytes the buffer takes */
+    bool sim_in;      /* start-state simulation: resident at the step boundary */
+    UT_hash_handle hh;
+} kpos;
+
+struct spw_policy {
+    spw_ctx *ctx;
+    spw_policy *lru; /* recency order, kept up to date always; the fallback */
+    kbuf *by_key;
+    plan_entry *plan, *rec;
+    size_t nplan, nrec, cap_plan, cap_rec;
+    kpos *index;     /* over plan */
+    size_t cursor;   /* next expected plan entry */
+    bool in_step;
+    bool following;  /* in a step, with a plan, no divergence yet */
+    bool confirmed;  /* the plan was recorded by a step that followed its own plan exactly */
+    bool rec_ok;     /* the recording is complete (no host allocation failure) */
+    uint64_t pf_floor; /* during the policy's own prefetch: a victim must be needed later */
+    bool pf_own;       /* pf_floor is set (else choose_victim computes it for a user hint) */
+    bool pf_early;     /* the current prefetch may ignore the floor (an early slot is free) */
+    int early;         /* buffers prefetched early and not used or evicted since */
+    /* prefetch_early=auto: the early depth is tuned by timing steps that follow the plan */
+    int early_max;         /* the depth in force */
+    int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
+    int trial_step;        /* steps run of the current trial */
+    uint64_t trial_ns[N_TRIALS];
+    uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
+    uint64_t step_bytes0;  /* bytes moved before the current step began */
+    uint64_t step_t0;      /* when the current step began (0: none yet) */
+    bool last_exact;       /* the step that just ended followed its plan to the end */
+    uint64_t created_in_step;
+    bool rebase_due;       /* a new plan was learned from a step that did not follow one */
+    bool rebasing;         /* choose_victim: only buffers outside the target set */
+};
+
+static inline kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
+
+/* ---- policy_plan_layout.c ---- */
+
+/* Device bytes the plan's buffers may use: the budget less what other allocations hold live. */
+size_t spw__plan_capacity(spw_policy *p);
+/* Largest buffer the plan reads. */
+size_t spw__plan_largest(const spw_policy *p);
+/* The mean upload bytes of a pass in the cycle Belady settles to within `cap`; 0 when it
+ * cannot say. */
+double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods);
+/* Move to the start state of a newly learned plan (from the policy's prefetch callback). */
+void spw__plan_rebase(spw_policy *p, spw_ctx *ctx);
+/* STATIC: mark the fixed set for the current plan / unmark every buffer. */
+void spw__plan_choose_fixed(spw_policy *p);
+void spw__plan_clear_fixed(spw_policy *p);
+
+#endif /* SPW_POLICY_PLAN_H */
