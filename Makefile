@@ -71,7 +71,7 @@ install: build
 sanitize: deps
 	cmake -S . -B build-asan -DSPW_SANITIZE=address -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan -j $(JOBS)
-	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE "gpu|python"
+	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE "gpu|python|timing"
 	cmake -S . -B build-tsan -DSPW_SANITIZE=thread -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $(JOBS) -L concurrency
@@ -83,7 +83,7 @@ sanitize-gpu: deps
 	cmake -S . -B build-asan-cuda -DSPW_SANITIZE=address -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build-asan-cuda -j $(JOBS)
 	cd build-asan-cuda && SPW_TEST_BACKEND=cuda ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=0 \
-	  UBSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j 1 -E '^shim' -LE python
+	  UBSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j 1 -E '^shim' -LE "python|timing"
 
 clean:
 	rm -rf $(BUILD) build-asan build-tsan build-asan-cuda

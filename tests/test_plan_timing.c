@@ -1,0 +1,71 @@
+/* policy=plan chooses its pipeline by timing steps (prefetch_early=auto), here on the emulated
+ * device with a simulated link. A timing test: it runs alone (RUN_SERIAL) and not under the
+ * sanitizers, whose overhead is not the workload's. emu only. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "test_util.h"
+
+#define MiB ((size_t)1 << 20)
+
+static spw_stats stats(spw_ctx *ctx) {
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    return st;
+}
+
+/* The pipeline is chosen by timing (prefetch_early=auto), on an emulated link of 1 GB/s: with
+ * no work to hide transfers behind, no prefetch at all wins (Belady's fewest bytes); with work
+ * longer than a transfer, a pipeline that moves one buffer more per step but overlaps it does.
+ * Cyclic 8 buffers of 8 MiB (8.4 ms on the link), room for 5; the steady bytes per step tell
+ * which was kept. */
+static void sleep_cb(void *a) {
+    long us = *(const long *)a;
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static int64_t steady_bytes(long work_us) {
+    enum { NB = 8, STEPS = 12 };
+    const size_t sz = 8 * MiB;
+    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
+    spw_buf *b[NB];
+    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
+    int64_t h0 = 0;
+    for (int s = 0; s < STEPS; s++) {
+        if (s == STEPS - 3) h0 = stats(ctx).bytes_h2d.total;
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, &work_us));
+            assert_ok(spw_release(b[i], NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+    int64_t moved = stats(ctx).bytes_h2d.total - h0;
+    assert_int_equal(stats(ctx).plan_divergences.total, 0);
+    spw_ctx_destroy(ctx);
+    return moved / (int64_t)sz; /* buffers moved in the last three steps */
+}
+
+static void pipeline_chosen_by_timing(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    int64_t idle = steady_bytes(0), busy = steady_bytes(12000);
+    /* in three steps, Belady with room for 5 of 8 moves 10-11 (24/7 a step); an overlapping
+     * pipeline keeps room for the transfer in flight: 12 (double buffer) to 15 (split) */
+    if (!(idle <= 11)) fail_msg("no work: %lld buffers in 3 steps, want Belady's 10-11 (no prefetch)", (long long)idle);
+    if (!(busy >= 12)) fail_msg("12 ms of work a buffer: %lld buffers in 3 steps, want an overlapping pipeline's 12-15",
+                                (long long)busy);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(pipeline_chosen_by_timing),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
