@@ -55,7 +55,7 @@ _lib_c = _lib.lib
 _ALIGN = 256
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-_VIEW_CACHE = 32  # device addresses remembered per unit (the arena cycles through a few per unit)
+_VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
 
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
 
