@@ -747,7 +747,9 @@ class Offload:
             f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "
             f"({s['bytes_h2d']['total'] / steps / total if total else 0:.2f} of the offloaded bytes; "
             f"{format_size(s['bytes_h2d']['total'])} in all), {format_size(s['bytes_d2h']['total'])} device to host",
-            f"  stalls            {s['stalls']['total']} ({s['stall_ns']['total'] / 1e6:.2f} ms measured)",
+            f"  stalls            {s['stalls']['total']}"
+            + (f" ({s['stall_ns']['total'] / 1e6:.2f} ms waited)" if s['stall_ns']['total'] else
+               " (their time is measured with trace=FILE)"),
             f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
             f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
             f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
