@@ -195,6 +195,12 @@ void spw__engine_stats_sync(spw_ctx *ctx) {
     ctx->stats.stall_ns.current = ctx->stats.stall_ns.total = ctx->stats.stall_ns.peak = ns;
 }
 
+void spw__engine_describe(spw_ctx *ctx, char *buf, size_t len) {
+    if (len) buf[0] = '\0';
+    struct spw_engine *e = ctx->engine;
+    if (e && e->pops->describe && len) e->pops->describe(e->pol, buf, len);
+}
+
 /* ---- creation ---- */
 
 static spw_status check_flags(const char *fn, unsigned flags) {

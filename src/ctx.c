@@ -290,11 +290,20 @@ SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
     return SPW_OK;
 }
 
+void spw__ctx_describe_policy(spw_ctx *ctx, char *buf, size_t len) {
+    pthread_mutex_lock(&ctx->lock);
+    spw__engine_describe(ctx, buf, len);
+    pthread_mutex_unlock(&ctx->lock);
+}
+
 SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f) {
     if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary: NULL argument");
     spw_stats st;
+    char policy[256];
     spw_stats_get(ctx, &st);
+    spw__ctx_describe_policy(ctx, policy, sizeof policy);
     spw__stats_print_table(&st, spw_ctx_backend(ctx), f);
+    if (policy[0]) fprintf(f, "  %s\n", policy);
     return SPW_OK;
 }
 

@@ -172,6 +172,10 @@ spw_status spw__engine_alloc_evicting(struct spw_ctx *ctx, spw_arena *a, size_t 
                                       spw_block **out);
 /* Fold counters kept outside the lock (stall time) into ctx->stats. Lock held. */
 void spw__engine_stats_sync(struct spw_ctx *ctx);
+/* The policy's one-line account of itself ("" when it has none). Context lock held. */
+void spw__engine_describe(struct spw_ctx *ctx, char *buf, size_t len);
+/* The same, taking the context lock (ctx.c; for the summary and the tools). */
+void spw__ctx_describe_policy(struct spw_ctx *ctx, char *buf, size_t len);
 
 /* ---- stats.c ---- */
 void spw__stats_print_table(const spw_stats *st, const char *backend, FILE *f);

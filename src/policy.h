@@ -82,6 +82,10 @@ typedef struct spw_policy_ops {
      * spw_step_end (b NULL, s NULL): the policy may start uploads of buffers it expects next
      * with spw__engine_prefetch. */
     void (*prefetch)(spw_policy *p, spw_ctx *ctx, spw_buf *b, spw_stream s);
+
+    /* One line for the summary on what the policy is doing (what it learned, what it chose),
+     * written to buf (NUL-terminated, truncated to len); may write nothing. */
+    void (*describe)(spw_policy *p, char *buf, size_t len);
 } spw_policy_ops;
 
 /* ---- queries for policies (context lock held) ---- */

@@ -28,6 +28,7 @@
  * plan (Belady's cycle from an empty device, moved to once) and STATIC's fixed set. Which
  * pipeline runs (no prefetch, the double buffer, STATIC) is chosen here by timing steps.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -488,6 +489,36 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
     }
 }
 
+/* ---- the summary line ---- */
+
+static const char *pipeline_name(int mode) {
+    return mode == PF_OFF ? "no prefetch" : mode == PF_STATIC ? "static split" : mode == 0 ? "double buffer"
+                                                                                        : "early prefetch";
+}
+
+static void plan_describe(spw_policy *p, char *buf, size_t len) {
+    spw_tristate pf = p->ctx->cfg.prefetch;
+    if (!p->nplan) {
+        snprintf(buf, len, "policy plan: no plan yet (a step is recorded under LRU, then followed)");
+        return;
+    }
+    int w = snprintf(buf, len, "policy plan: %zu acquisitions a step; ", p->nplan);
+    if (w < 0 || (size_t)w >= len) return;
+    char *b = buf + w;
+    size_t n = len - (size_t)w;
+    if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) {
+        snprintf(b, n, "no prefetch (%s)", pf == SPW_TRI_OFF ? "prefetch=off" : "emu: no transfer time to hide");
+    } else if (p->trial >= 0) {
+        snprintf(b, n, "timing pipelines: %s now (%d of %d)", pipeline_name(p->early_max), p->trial + 1, N_TRIALS);
+    } else if (p->ctx->cfg.prefetch_early < 0) {
+        snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
+                       "static split %.1f ms)", pipeline_name(p->early_max), (double)p->trial_ns[0] / 1e6,
+                 (double)p->trial_ns[1] / 1e6, (double)p->trial_ns[2] / 1e6);
+    } else {
+        snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
+    }
+}
+
 const spw_policy_ops spw__policy_plan = {
     .name = "plan",
     .create = plan_create,
@@ -504,4 +535,5 @@ const spw_policy_ops spw__policy_plan = {
     .choose_victim = plan_choose_victim,
     .need_writeback = plan_need_writeback,
     .prefetch = plan_prefetch,
+    .describe = plan_describe,
 };

@@ -2,6 +2,7 @@
  * and relearning, buffers created inside a step, dropped write-backs, and no data loss under
  * fault injection. emu only: the "kernels" are host callbacks touching device memory. */
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -418,6 +419,34 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
 }
 
 
+
+/* The summary says what the policy learned and does: nothing before the first step, then the
+ * plan's length and the pipeline (here none: prefetch=off). */
+static void summary_line(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = plan_ctx();
+    spw_buf *b[4];
+    for (int i = 0; i < 4; i++) assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    assert_ok(spw_summary(ctx, f));
+    fclose(f);
+    assert_non_null(strstr(text, "policy plan: no plan yet"));
+    free(text);
+    for (int s = 0; s < 2; s++) {
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
+    }
+    f = open_memstream(&text, &len);
+    assert_ok(spw_summary(ctx, f));
+    fclose(f);
+    assert_non_null(strstr(text, "policy plan: 4 acquisitions a step; no prefetch (prefetch=off)"));
+    free(text);
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(exact_victims),
@@ -428,6 +457,7 @@ int main(void) {
         cmocka_unit_test(no_data_loss_under_faults),
         cmocka_unit_test(prefetch_schedule),
         cmocka_unit_test(prefetch_costs_at_most_one_buffer),
+        cmocka_unit_test(summary_line),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

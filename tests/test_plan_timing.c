@@ -1,6 +1,7 @@
 /* policy=plan chooses its pipeline by timing steps (prefetch_early=auto), here on the emulated
  * device with a simulated link. A timing test: it runs alone (RUN_SERIAL) and not under the
  * sanitizers, whose overhead is not the workload's. emu only. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -47,6 +48,13 @@ static int64_t steady_bytes(long work_us) {
         assert_ok(spw_stream_synchronize(ctx, NULL));
     }
     int64_t moved = stats(ctx).bytes_h2d.total - h0;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    assert_ok(spw_summary(ctx, f));
+    fclose(f);
+    assert_non_null(strstr(text, "chosen by timing")); /* the summary names the pipeline kept */
+    free(text);
     assert_int_equal(stats(ctx).plan_divergences.total, 0);
     spw_ctx_destroy(ctx);
     return moved / (int64_t)sz; /* buffers moved in the last three steps */

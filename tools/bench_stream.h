@@ -51,6 +51,7 @@ typedef struct bs_run { /* one spillway run (one policy) */
     long split_k;               /* static split: resident layers chosen */
     int split_spread, split_tried; /* static split: placement (0 prefix, 1 spread); candidates timed */
     const char *split_placement;
+    char policy_state[256];     /* the policy's account of itself after the passes */
 } bs_run;
 
 typedef struct bench {

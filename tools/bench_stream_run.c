@@ -406,6 +406,7 @@ static int passes(bench *B, bs_run *r, run_state *S) {
         r->pass_ms[p] = ms;
     }
 #endif
+    spw__ctx_describe_policy(S->ctx, r->policy_state, sizeof r->policy_state);
     r->evictions = now.evictions_clean.total + now.evictions_dirty.total;
     r->stalls = now.stalls.total;
     r->prefetch_hits = now.prefetch_hits.total;

@@ -228,6 +228,7 @@ static void print_json(const bench *B, size_t budget) {
         jnum("ratio_to_all_resident", d.ratio_resident);
         jnum("overlap_bound_ms", d.overlap_ms);
         jnum("ratio_to_overlap_bound", d.ratio_overlap);
+        if (r->policy_state[0]) printf(", \"policy_state\": \"%s\"", r->policy_state);
         printf(", \"evictions\": %lld, \"stalls\": %lld, \"prefetch_hits\": %lld",
                (long long)r->evictions, (long long)r->stalls, (long long)r->prefetch_hits);
         const char *keys[3] = {"per_pass_ms", "per_pass_h2d", "per_pass_d2h"};
@@ -289,6 +290,8 @@ static void print_human(const bench *B, size_t budget) {
         printf("\nplan is %.2fx %s than lru per pass%s\n", x >= 1 ? x : 1 / x, x >= 1 ? "faster" : "slower",
                B->gpu ? "" : " (emu: host times, not a speed measurement)");
     }
+    for (int i = 0; i < B->o.npolicies; i++)
+        if (B->runs[i].policy_state[0]) printf("%s\n", B->runs[i].policy_state);
     if (B->split.completed)
         printf("split: the hand-tuned static split, %ld resident layers (%s), %ld streamed through two\n"
                "slots; the fastest of %d candidates (every k that fits, two placements)\n",
