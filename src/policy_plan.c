@@ -208,8 +208,8 @@ static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stat
  * for no prefetch with all the room, for the double buffer with a buffer of room less). STATIC
  * moves the same set every step. */
 static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
-    size_t cap = spw__plan_capacity(p), largest = spw__plan_largest(p);
     if (mode == PF_STATIC || !timed) return (double)timed;
+    size_t cap = spw__plan_capacity(p), largest = spw__plan_largest(p);
     double e = spw__plan_belady_bytes(p, mode == PF_OFF ? cap : cap > largest ? cap - largest : 0, 16);
     return e > 0 ? e : (double)timed;
 }
@@ -372,34 +372,18 @@ static void check_incoming(spw_policy *p, spw_buf *incoming) {
     spw__stat_event(&p->ctx->stats.plan_divergences);
 }
 
-/* During a rebase: the buffer outside the target set used farthest ahead, or NULL. */
-static spw_buf *rebase_victim(spw_policy *p, spw_buf *incoming) {
-    spw_buf *best = NULL;
-    uint64_t best_d = 0;
-    for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
-        kbuf *k = kb_of(b);
-        if (b == incoming || !spw__pol_evictable(b) || (k && k->target)) continue;
-        uint64_t d = distance(p, b, NULL);
-        if (!best || d > best_d) {
-            best = b;
-            best_d = d;
-        }
-    }
-    return best;
-}
+/* Buffers a victim choice leaves out: none, the target set (a rebase), the fixed set (STATIC). */
+enum { SKIP_NONE, SKIP_TARGET, SKIP_FIXED };
 
-static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
-    if (p->rebasing) return rebase_victim(p, incoming);
-    if (!for_prefetch) check_incoming(p, incoming);
-    if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
-    if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
-    bool fixed_ok = p->early_max != PF_STATIC; /* STATIC: the fixed set only as a last resort */
+/* The evictable buffer used farthest ahead (Belady), leaving out `skip`; with `prefer_free`,
+ * among nearly as distant ones, one that costs no write-back. *dist: its distance. */
+static spw_buf *farthest(spw_policy *p, spw_buf *incoming, int skip, bool prefer_free, uint64_t *dist) {
     spw_buf *best = NULL, *free_best = NULL;
     uint64_t best_d = 0, free_d = 0;
-again:
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
+        kbuf *k = kb_of(b);
         if (b == incoming || !spw__pol_evictable(b)) continue;
-        if (!fixed_ok && kb_of(b) && kb_of(b)->fixed) continue;
+        if (k && ((skip == SKIP_TARGET && k->target) || (skip == SKIP_FIXED && k->fixed))) continue;
         spw_access mode = SPW_ACCESS_READ;
         uint64_t d = distance(p, b, &mode);
         /* free to evict: nothing to write back, or the next access overwrites it anyway */
@@ -413,22 +397,32 @@ again:
             free_d = d;
         }
     }
-    if (!best && !fixed_ok && !for_prefetch) { /* a demand load must not fail for the split */
-        fixed_ok = true;
-        goto again;
-    }
     /* Belady counts every eviction alike; a write-back costs a transfer too. A victim that
      * costs nothing and is needed not much sooner than the farthest one is the better buy. */
-    if (free_best && free_best != best && free_d >= best_d - best_d / FREE_VICTIM_SLACK) {
+    if (prefer_free && free_best && free_best != best && free_d >= best_d - best_d / FREE_VICTIM_SLACK) {
         best = free_best;
         best_d = free_d;
     }
+    *dist = best_d;
+    return best;
+}
+
+static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
+    uint64_t best_d;
+    if (p->rebasing) return farthest(p, incoming, SKIP_TARGET, false, &best_d);
+    if (!for_prefetch) check_incoming(p, incoming);
+    if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
+    if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
+    bool split = p->early_max == PF_STATIC; /* STATIC: the fixed set only as a last resort */
+    spw_buf *best = farthest(p, incoming, split ? SKIP_FIXED : SKIP_NONE, true, &best_d);
+    if (!best && split && !for_prefetch) /* a demand load must not fail for the split */
+        best = farthest(p, incoming, SKIP_NONE, true, &best_d);
     if (for_prefetch && best) {
         /* never push out something needed no later than what the prefetch brings in, nor
          * something that a buffer used before then will outlast (that one is the better
          * victim, once it has been used: prefetching now would only displace it) */
         uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
-        bool no_floor = p->pf_early || p->early_max == PF_STATIC;
+        bool no_floor = p->pf_early || split;
         uint64_t floor = no_floor ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
         if (best_d <= din || best_d < floor) return NULL;
     }
