@@ -706,11 +706,7 @@ static void test_options_stats_trace(void **state) {
         assert_ok(spw_release(b[i], NULL));
     }
     assert_ok(spw_step_end(ctx));
-    char *text = NULL;
-    size_t len = 0;
-    FILE *mf = open_memstream(&text, &len);
-    assert_ok(spw_summary_json(ctx, mf));
-    fclose(mf);
+    char *text = test_summary(ctx, 1);
     assert_non_null(strstr(text, "\"bytes_h2d\":{"));
     assert_non_null(strstr(text, "\"evictions_dirty\":{"));
     assert_non_null(strstr(text, "\"stall_ns\":{"));

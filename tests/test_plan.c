@@ -2,7 +2,6 @@
  * and relearning, buffers created inside a step, dropped write-backs, and no data loss under
  * fault injection. emu only: the "kernels" are host callbacks touching device memory. */
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,11 +16,6 @@ static spw_ctx *plan_ctx(void) {
     return test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=off");
 }
 
-static spw_stats stats(spw_ctx *ctx) {
-    spw_stats st;
-    assert_ok(spw_stats_get(ctx, &st));
-    return st;
-}
 
 typedef struct kfill {
     void *d;
@@ -61,28 +55,28 @@ static void exact_victims(void **state) {
     assert_ok(spw_step_begin(ctx));
     for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
     resident_is(b, "0111"); /* LRU evicted A for D */
-    int64_t h0 = stats(ctx).bytes_h2d.total;
+    int64_t h0 = test_stats(ctx).bytes_h2d.total;
     assert_ok(spw_step_begin(ctx));
     resident_is(b, "1101"); /* the start state: A in, C out */
-    assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
-    h0 = stats(ctx).bytes_h2d.total;
+    assert_int_equal(test_stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
+    h0 = test_stats(ctx).bytes_h2d.total;
     touch(ctx, b[0], SPW_ACCESS_READ);
     touch(ctx, b[1], SPW_ACCESS_READ);
     resident_is(b, "1101");
     touch(ctx, b[2], SPW_ACCESS_READ);
     resident_is(b, "1011"); /* C in: B out (D is needed next, A next step before B) */
     touch(ctx, b[3], SPW_ACCESS_READ);
-    assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
+    assert_int_equal(test_stats(ctx).bytes_h2d.total - h0, (int64_t)SZ);
     assert_ok(spw_step_begin(ctx));
-    h0 = stats(ctx).bytes_h2d.total;
+    h0 = test_stats(ctx).bytes_h2d.total;
     touch(ctx, b[0], SPW_ACCESS_READ);
     touch(ctx, b[1], SPW_ACCESS_READ);
     resident_is(b, "0111"); /* B in: A out (C and D come sooner) */
     touch(ctx, b[2], SPW_ACCESS_READ);
     touch(ctx, b[3], SPW_ACCESS_READ);
     assert_ok(spw_step_end(ctx));
-    assert_int_equal(stats(ctx).bytes_h2d.total - h0, (int64_t)SZ); /* LRU: 4 per step */
-    spw_stats st = stats(ctx);
+    assert_int_equal(test_stats(ctx).bytes_h2d.total - h0, (int64_t)SZ); /* LRU: 4 per step */
+    spw_stats st = test_stats(ctx);
     assert_int_equal(st.plan_divergences.total, 0);
     assert_int_equal(st.plan_hits.total, 8);
     spw_ctx_destroy(ctx);
@@ -135,7 +129,7 @@ static void dead_data_not_written_back(void **state) {
         }
         assert_ok(spw_step_end(ctx));
         assert_int_equal(atomic_load(&bad), 0);
-        spw_stats st = stats(ctx);
+        spw_stats st = test_stats(ctx);
         assert_int_equal(st.plan_divergences.total, 0);
         if (!host_reads) {
             /* A is evicted after its read in every step; from the second step the plan knows
@@ -172,7 +166,7 @@ static void read_after_drop_is_an_error(void **state) {
     assert_ok(spw_step_end(ctx));
     assert_false(b[0]->resident);
     assert_true(b[0]->policy_dead);
-    assert_int_equal(stats(ctx).plan_divergences.total, 0);
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
     /* this step reads A before writing it: an error naming the cause, never stale contents */
     assert_ok(spw_step_begin(ctx));
     assert_status(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d), SPW_ERR_STATE);
@@ -196,14 +190,14 @@ static void divergence_and_relearning(void **state) {
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
     }
-    assert_int_equal(stats(ctx).plan_divergences.total, 0);
-    int64_t hits0 = stats(ctx).plan_hits.total;
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
+    int64_t hits0 = test_stats(ctx).plan_hits.total;
     for (int s = 0; s < 3; s++) {
         assert_ok(spw_step_begin(ctx));
         for (int i = 3; i >= 0; i--) touch(ctx, b[i], SPW_ACCESS_READ);
     }
     assert_ok(spw_step_end(ctx));
-    spw_stats st = stats(ctx);
+    spw_stats st = test_stats(ctx);
     assert_int_equal(st.plan_divergences.total, 1); /* the first reversed step only */
     assert_true(st.plan_hits.total - hits0 >= 8);  /* the next two followed the new plan */
     spw_ctx_destroy(ctx);
@@ -235,7 +229,7 @@ static void buffers_created_inside_a_step(void **state) {
         assert_ok(spw_buf_destroy(t));
     }
     assert_ok(spw_step_end(ctx));
-    spw_stats st = stats(ctx);
+    spw_stats st = test_stats(ctx);
     assert_int_equal(st.plan_divergences.total, 0);
     assert_int_equal(st.plan_hits.total, 3 * 5); /* steps 2-4: four acquisitions, one host read */
     spw_ctx_destroy(ctx);
@@ -317,8 +311,8 @@ static void prefetch_schedule(void **state) {
     assert_ok(spw_step_begin(ctx));
     for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
     resident_is(b, "0111");
-    assert_int_equal(stats(ctx).plan_prefetch_bytes.total, 0); /* no plan yet: LRU, no prefetch */
-    int64_t h0 = stats(ctx).bytes_h2d.total;
+    assert_int_equal(test_stats(ctx).plan_prefetch_bytes.total, 0); /* no plan yet: LRU, no prefetch */
+    int64_t h0 = test_stats(ctx).bytes_h2d.total;
     assert_ok(spw_step_begin(ctx));
     resident_is(b, "1101");
     touch(ctx, b[0], SPW_ACCESS_READ);
@@ -329,7 +323,7 @@ static void prefetch_schedule(void **state) {
     resident_is(b, "0111");
     touch(ctx, b[3], SPW_ACCESS_READ);
     resident_is(b, "1101");
-    spw_stats st = stats(ctx);
+    spw_stats st = test_stats(ctx);
     assert_int_equal(st.bytes_h2d.total - h0, 3 * (int64_t)SZ); /* A (start state), C, A */
     assert_int_equal(st.plan_prefetch_bytes.total, 3 * (int64_t)SZ);
     assert_int_equal(st.plan_prefetch_used.total, 2 * (int64_t)SZ); /* the last A waits */
@@ -340,11 +334,11 @@ static void prefetch_schedule(void **state) {
     assert_ok(spw_step_begin(ctx));
     touch(ctx, b[0], SPW_ACCESS_READ);
     resident_is(b, "1101");
-    h0 = stats(ctx).bytes_h2d.total;
+    h0 = test_stats(ctx).bytes_h2d.total;
     assert_ok(spw_prefetch(b[2], NULL));
     resident_is(b, "1101");
-    assert_int_equal(stats(ctx).bytes_h2d.total, h0);
-    assert_int_equal(stats(ctx).plan_divergences.total, 0);
+    assert_int_equal(test_stats(ctx).bytes_h2d.total, h0);
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
     assert_ok(spw_step_end(ctx));
     spw_ctx_destroy(ctx);
 }
@@ -370,7 +364,7 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
             assert_ok(spw_buf_write(b[i], 0, tmp, SZ));
         }
         for (int s = 0; s < STEPS; s++) {
-            int64_t h0 = stats(ctx).bytes_h2d.total;
+            int64_t h0 = test_stats(ctx).bytes_h2d.total;
             assert_ok(spw_step_begin(ctx));
             for (int i = 0; i < NB; i++) {
                 void *d;
@@ -380,10 +374,10 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
                 assert_ok(spw_release(b[i], NULL));
                 assert_ok(spw_stream_synchronize(ctx, NULL));
             }
-            per_step[c][s] = stats(ctx).bytes_h2d.total - h0;
+            per_step[c][s] = test_stats(ctx).bytes_h2d.total - h0;
         }
         assert_ok(spw_step_end(ctx));
-        spw_stats st = stats(ctx);
+        spw_stats st = test_stats(ctx);
         assert_int_equal(st.plan_divergences.total, 0);
         if (c == 0) { /* only the move to the start state, once, every byte of it used */
             assert_true(st.plan_prefetch_bytes.total <= (int64_t)(9 * MiB));
@@ -428,20 +422,14 @@ static void summary_line(void **state) {
     spw_ctx *ctx = plan_ctx();
     spw_buf *b[4];
     for (int i = 0; i < 4; i++) assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
-    char *text = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&text, &len);
-    assert_ok(spw_summary(ctx, f));
-    fclose(f);
+    char *text = test_summary(ctx, 0);
     assert_non_null(strstr(text, "policy plan: no plan yet"));
     free(text);
     for (int s = 0; s < 2; s++) {
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
     }
-    f = open_memstream(&text, &len);
-    assert_ok(spw_summary(ctx, f));
-    fclose(f);
+    text = test_summary(ctx, 0);
     assert_non_null(strstr(text, "policy plan: 4 acquisitions a step; no prefetch (prefetch=off)"));
     free(text);
     spw_ctx_destroy(ctx);

@@ -1,7 +1,6 @@
 /* policy=plan chooses its pipeline by timing steps (prefetch_early=auto), here on the emulated
  * device with a simulated link. A timing test: it runs alone (RUN_SERIAL) and not under the
  * sanitizers, whose overhead is not the workload's. emu only. */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -11,11 +10,6 @@
 
 #define MiB ((size_t)1 << 20)
 
-static spw_stats stats(spw_ctx *ctx) {
-    spw_stats st;
-    assert_ok(spw_stats_get(ctx, &st));
-    return st;
-}
 
 /* The pipeline is chosen by timing (prefetch_early=auto), on an emulated link of 1 GB/s: with
  * no work to hide transfers behind, no prefetch at all wins (Belady's fewest bytes); with work
@@ -36,7 +30,7 @@ static int64_t steady_bytes(long work_us) {
     for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
     int64_t h0 = 0;
     for (int s = 0; s < STEPS; s++) {
-        if (s == STEPS - 3) h0 = stats(ctx).bytes_h2d.total;
+        if (s == STEPS - 3) h0 = test_stats(ctx).bytes_h2d.total;
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
             void *d;
@@ -47,15 +41,11 @@ static int64_t steady_bytes(long work_us) {
         assert_ok(spw_step_end(ctx));
         assert_ok(spw_stream_synchronize(ctx, NULL));
     }
-    int64_t moved = stats(ctx).bytes_h2d.total - h0;
-    char *text = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&text, &len);
-    assert_ok(spw_summary(ctx, f));
-    fclose(f);
+    int64_t moved = test_stats(ctx).bytes_h2d.total - h0;
+    char *text = test_summary(ctx, 0);
     assert_non_null(strstr(text, "chosen by timing")); /* the summary names the pipeline kept */
     free(text);
-    assert_int_equal(stats(ctx).plan_divergences.total, 0);
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
     spw_ctx_destroy(ctx);
     return moved / (int64_t)sz; /* buffers moved in the last three steps */
 }

@@ -51,3 +51,19 @@ int test_run_cmd(const char *cmd, char **out) {
     else free(buf);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+spw_stats test_stats(spw_ctx *ctx) {
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    return st;
+}
+
+char *test_summary(spw_ctx *ctx, int json) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    assert_non_null(f);
+    assert_ok(json ? spw_summary_json(ctx, f) : spw_summary(ctx, f));
+    fclose(f);
+    return text;
+}

@@ -38,6 +38,12 @@ void test_require_trace(const char *name);
  * out is not NULL) receives its stdout, malloc'd; stderr is captured only if cmd redirects it. */
 int test_run_cmd(const char *cmd, char **out);
 
+/* The context's statistics (spw_stats_get); fails the test on error. */
+spw_stats test_stats(spw_ctx *ctx);
+/* The context's summary as text: the table (spw_summary), or with `json` the JSON object
+ * (spw_summary_json). malloc'd; fails the test on error. */
+char *test_summary(spw_ctx *ctx, int json);
+
 /* xorshift PRNG, deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
     uint64_t x = *s;
