@@ -132,6 +132,13 @@ static bool predicting(const spw_policy *p) { return p->following && p->index &&
 
 /* ---- lifecycle ---- */
 
+/* Whether the policy prefetches at all. prefetch=auto: a double buffer buys overlap only where a
+ * transfer takes time; on the instant emulated device it would only cost a buffer of room. */
+static bool prefetching(const spw_ctx *ctx) {
+    spw_tristate pf = ctx->cfg.prefetch;
+    return pf == SPW_TRI_ON || (pf == SPW_TRI_AUTO && !ctx->dev.emulated);
+}
+
 static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     spw_policy *p = calloc(1, sizeof *p);
     if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "policy plan: out of host memory");
@@ -143,9 +150,7 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     p->ctx = ctx;
     /* the trial runs only where prefetch is on; elsewhere (off, or auto on the instant emu)
      * the early depth has no effect beyond user hints, judged by the floor rule */
-    spw_tristate pf = ctx->cfg.prefetch;
-    bool pf_on = pf == SPW_TRI_ON || (pf == SPW_TRI_AUTO && !ctx->dev.emulated);
-    bool tune = ctx->cfg.prefetch_early < 0 && pf_on;
+    bool tune = ctx->cfg.prefetch_early < 0 && prefetching(ctx);
     p->trial = tune ? 0 : -1;
     p->early_max = tune ? EARLY_TRIALS[0] : SPW_MAX(ctx->cfg.prefetch_early, 0);
     *out = p;
@@ -443,12 +448,8 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
  * buffer overlap the work on the current one. */
 static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
     if (p->rebase_due && !just) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
-    /* auto: a double buffer buys overlap only where a transfer takes time; on the instant
-     * emulated device it would only cost a buffer of room */
-    spw_tristate pf = p->ctx->cfg.prefetch;
-    if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) return;
-    (void)just, (void)s;
-    if (!predicting(p) || p->early_max == PF_OFF) return;
+    (void)s;
+    if (!prefetching(p->ctx) || !predicting(p) || p->early_max == PF_OFF) return;
     if (!just) { /* a step begins: the fixed set follows the plan and the pipeline in force */
         if (p->early_max == PF_STATIC) spw__plan_choose_fixed(p);
         else spw__plan_clear_fixed(p);
@@ -500,7 +501,7 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     if (w < 0 || (size_t)w >= len) return;
     char *b = buf + w;
     size_t n = len - (size_t)w;
-    if (pf == SPW_TRI_OFF || (pf == SPW_TRI_AUTO && p->ctx->dev.emulated)) {
+    if (!prefetching(p->ctx)) {
         snprintf(b, n, "no prefetch (%s)", pf == SPW_TRI_OFF ? "prefetch=off" : "emu: no transfer time to hide");
     } else if (p->trial >= 0) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)", pipeline_name(p->early_max), p->trial + 1, N_TRIALS);

@@ -191,6 +191,12 @@ static const bs_run *find_run(const bench *B, const char *policy) {
     return NULL;
 }
 
+/* Row i of the report: the policy runs, then the static split if it ran; NULL past the end. */
+static const bs_run *report_row(const bench *B, int i) {
+    if (i < B->o.npolicies) return &B->runs[i];
+    return i == B->o.npolicies && B->split.policy ? &B->split : NULL;
+}
+
 static void print_json(const bench *B, size_t budget) {
     printf("{\"backend\": \"%s\", \"layers\": %ld, \"layer_mib\": %g, \"K\": %zu, \"layer_bytes\": %zu"
            ", \"model_bytes\": %llu, \"batch\": %ld, \"passes\": %ld, \"prefetch\": %ld"
@@ -201,9 +207,8 @@ static void print_json(const bench *B, size_t budget) {
     jnum("link_h2d_gbps", B->link_gbps);
     jnum("all_resident_ms", B->all_resident_ms);
     printf(", \"reference\": \"%s\", \"runs\": [", B->ref_how);
-    for (int i = 0; i <= B->o.npolicies; i++) {
-        const bs_run *r = i < B->o.npolicies ? &B->runs[i] : &B->split;
-        if (i == B->o.npolicies && !r->policy) break;
+    const bs_run *r;
+    for (int i = 0; (r = report_row(B, i)); i++) {
         derived d = derive(B, r);
         printf("%s{\"policy\": \"%s\", \"completed\": %s, \"correct\": %s, \"bitwise_equal\": %s",
                i ? ", " : "", r->policy, r->completed ? "true" : "false", r->ok ? "true" : "false",
@@ -266,9 +271,8 @@ static void print_human(const bench *B, size_t budget) {
     printf("reference     %s\n\n", B->ref_how);
     printf("%-7s %10s %11s %9s %10s %9s %9s %11s %9s  %s\n", "policy", "ms/pass", "moved/pass",
            "of model", "GB/s", "link ms", "vs link", "vs resident", "vs max()", "result");
-    for (int i = 0; i <= B->o.npolicies; i++) {
-        const bs_run *r = i < B->o.npolicies ? &B->runs[i] : &B->split;
-        if (i == B->o.npolicies && !r->policy) break;
+    const bs_run *r;
+    for (int i = 0; (r = report_row(B, i)); i++) {
         if (!r->completed) {
             printf("%-7s %10s  (failed before the end: see the messages above)\n", r->policy, "FAILED");
             continue;
