@@ -200,9 +200,9 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 
 /* ---- steps ---- */
 
-/* prefetch_early=auto: the last step of each trial that followed its plan to the end is timed,
- * from its step_begin to the next one (the caller's own wait for the step included); after the
- * last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
+/* prefetch_early=auto: every step of a trial but its first that followed its plan to the end is
+ * timed, from its step_begin to the next one (the caller's own wait for the step included); after
+ * the last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
 /* Uploads so far (what the simulation below counts; write-backs are the same in every pipeline). */
 static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stats.bytes_h2d.total; }
 
@@ -221,19 +221,22 @@ static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
 
 static void tune_early(spw_policy *p, uint64_t now) {
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
-    if (++p->trial_step < TRIAL_STEPS) return;
+    if (p->trial_step++ > 0) { /* the first step of a trial settles the change of resident set */
+        p->trial_ns[p->trial] += now - p->step_t0;
+        p->trial_bytes[p->trial] += bytes_moved(p) - p->step_bytes0;
+    }
+    if (p->trial_step < TRIAL_STEPS) return;
     p->trial_step = 0;
-    p->trial_ns[p->trial] = now - p->step_t0;
-    p->trial_bytes[p->trial] = bytes_moved(p) - p->step_bytes0;
     if (++p->trial < N_TRIALS) {
         p->early_max = EARLY_TRIALS[p->trial];
         return;
     }
     int best = 0;
-    double best_t = 0;
+    double best_t = 0, timed = TRIAL_STEPS - 1;
     for (int i = 0; i < N_TRIALS; i++) {
         double b = (double)p->trial_bytes[i];
-        double t = (double)p->trial_ns[i] * (b > 0 ? expected_bytes(p, EARLY_TRIALS[i], p->trial_bytes[i]) / b : 1.0);
+        double e = timed * expected_bytes(p, EARLY_TRIALS[i], p->trial_bytes[i] / (uint64_t)timed);
+        double t = (double)p->trial_ns[i] * (b > 0 ? e / b : 1.0);
         if (i == 0 || t < best_t) {
             best = i;
             best_t = t;
@@ -506,9 +509,10 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     } else if (p->trial >= 0) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)", pipeline_name(p->early_max), p->trial + 1, N_TRIALS);
     } else if (p->ctx->cfg.prefetch_early < 0) {
+        double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
-                       "static split %.1f ms)", pipeline_name(p->early_max), (double)p->trial_ns[0] / 1e6,
-                 (double)p->trial_ns[1] / 1e6, (double)p->trial_ns[2] / 1e6);
+                       "static split %.1f ms)", pipeline_name(p->early_max), (double)p->trial_ns[0] / per_step,
+                 (double)p->trial_ns[1] / per_step, (double)p->trial_ns[2] / per_step);
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }

@@ -19,8 +19,9 @@ extern _Thread_local int spw__plan_hash_oom;
 #define IN_STEP_KEY (1ull << 63)
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
-/* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps of which the last is
- * timed (the first settles the change of resident set); the fastest is kept.
+/* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps: the first settles the change
+ * of resident set, the others are timed together (one step alone is at the mercy of one hiccup of
+ * the host or the link, as large as the differences measured); the fastest is kept.
  * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
  * transfer serialised with the work that frees its room; worth it where work hides less than a
  * transfer (small batches).
@@ -34,7 +35,7 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_OFF (-1)
 #define PF_STATIC (-2)
 #define N_TRIALS 3
-#define TRIAL_STEPS 2
+#define TRIAL_STEPS 3
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2

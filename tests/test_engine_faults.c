@@ -14,7 +14,7 @@
 
 #define NBUF 5
 #define BSZ (512 * 1024)
-#define MAXOPS 256 /* kernels a run enqueues: 7 steps of the scenario at most */
+#define MAXOPS 384 /* kernels a run enqueues: 10 steps of the scenario at most */
 
 typedef struct model {
     uint8_t seed, add;
@@ -279,12 +279,12 @@ static void test_sweep_explicit_novmm(void **state) {
     sweep("budget=2MiB,grow_ahead=0,vmm=off");
 }
 
-/* policy=plan over 7 steps of the scenario with prefetch on: the first plan's move to its start
+/* policy=plan over 10 steps of the scenario with prefetch on: the first plan's move to its start
  * state and each timed pipeline (no prefetch, the double buffer, STATIC) run under the faults. */
 static void test_sweep_plan(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
-    sweep_steps("budget=2MiB,grow_ahead=0,policy=plan,prefetch=on", 7);
+    sweep_steps("budget=2MiB,grow_ahead=0,policy=plan,prefetch=on", 10);
 }
 
 static void test_sweep_managed(void **state) {

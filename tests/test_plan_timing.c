@@ -23,7 +23,7 @@ static void sleep_cb(void *a) {
 }
 
 static int64_t steady_bytes(long work_us) {
-    enum { NB = 8, STEPS = 12 };
+    enum { NB = 8, STEPS = 15 };
     const size_t sz = 8 * MiB;
     spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
     spw_buf *b[NB];
