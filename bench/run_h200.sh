@@ -2,7 +2,7 @@
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
-#                     [pytest] [peers] [offload]   (default: all)
+#                     [pytest] [peers] [cost] [offload]   (default: all)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +99,7 @@ print(f"budget {sys.argv[2]:>4} batch {sys.argv[3]:>4}: lru {lru['pass_ms']:.2f}
       f" | split {split.get('pass_ms', 0):.2f} ms {split.get('bytes_per_pass', 0)/2**20:.0f} MiB k={split.get('resident_layers')} {split.get('placement')}"
       f" | plan/split {d.get('plan_over_static_split', float('nan')):.3f}"
       f" | plan per pass {[round(x, 1) for x in plan['per_pass_ms']]}")
+print("   ", plan.get("policy_state"))
 PY
     done
   done
@@ -114,6 +115,11 @@ if has peers; then
   timeout 300 python3 bench/peers/torch_stream.py --budget 1GiB,2GiB,3GiB --batch 16,4096 \
     --json "$OUT/torch_stream.json" 2>"$OUT/torch_stream.err" | tee "$OUT/torch_stream.txt" || rc=1
   tail -5 "$OUT/torch_stream.err"
+fi
+if has cost; then
+  log "bench/dev/acquire_cost.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 120 \
+    python3 bench/dev/acquire_cost.py 2>&1 | tee "$OUT/acquire_cost.txt" || rc=1
 fi
 if has offload; then
   log "bench/peers/torch_offload.py"

@@ -39,6 +39,20 @@ print(f"copy_ enqueue, cudaHostAlloc'ed source:   {med(lambda: dst.copy_(pinned,
 print(f"copy_ enqueue, cudaHostRegister'ed source: {med(lambda: dst.copy_(reg, non_blocking=True)):8.1f} us")
 rt.cudaHostUnregister(reg.data_ptr())
 del dst
+# does the enqueue cost grow with the size of the copy?
+for mib in (1, 16, 128, 512):
+    n = mib * MIB
+    d2 = torch.empty(n, dtype=torch.uint8, device=dev)
+    h2 = torch.empty(n + 4096, dtype=torch.uint8)
+    h2 = h2[(-h2.data_ptr()) % 4096:][:n]
+    assert rt.cudaHostRegister(h2.data_ptr(), n, 0) == 0
+    print(f"copy_ enqueue, registered, {mib:4d} MiB:      {med(lambda: d2.copy_(h2, non_blocking=True)):8.1f} us")
+    rt.cudaHostUnregister(h2.data_ptr())
+    del d2, h2
+ev = torch.cuda.Event()
+print(f"event record:                              {med(lambda: ev.record()):8.1f} us")
+print(f"event query:                               {med(lambda: ev.query()):8.1f} us")
+print(f"stream wait event:                         {med(lambda: torch.cuda.current_stream().wait_event(ev)):8.1f} us")
 
 hosts = []
 with spillway.Context(budget=f"{4 * SZ // MIB + 8}MiB", policy="lru", backend="cuda") as ctx:

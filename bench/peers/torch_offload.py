@@ -830,6 +830,8 @@ def child_argv(args, workload, variant, ref_dir):
             "--passes", str(args.passes), "--prefill-passes", str(args.prefill_passes),
             "--decode-passes", str(args.decode_passes), "--search-passes", str(args.search_passes),
             "--warmup", str(args.warmup), "--split-fit", args.split_fit]
+    if args.nondeterministic:
+        argv.append("--nondeterministic")
     return argv + (["--smoke"] if args.smoke else [])
 
 
@@ -898,6 +900,11 @@ def main():
     p.add_argument("--search-passes", type=int, default=2, help="(a) static split: timed passes per candidate")
     p.add_argument("--split-fit", choices=["auto", "all", "weights"], default="auto",
                    help="static split of (b): weights only (auto) or weights + prefill activation peak")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="leave torch's default kernels (by default every process runs with "
+                        "torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG=:4096:8, so "
+                        "that the resident model decodes the same tokens twice and the decode can be "
+                        "compared bitwise)")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds per variant process")
     p.add_argument("--json", help="write all rows to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the cpu: the control flow only")
@@ -936,6 +943,8 @@ def main():
     cfg.split_fit = "weights" if args.split_fit == "auto" else args.split_fit
 
     if args.child:
+        if not args.nondeterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         wl = workloads[0]
         cfg.budget_str = budgets[0 if wl == "a" else 1]
         cfg.budget = parse_size(cfg.budget_str)
@@ -955,6 +964,9 @@ def main():
     ref_dir = tempfile.mkdtemp(prefix="spillway_offload_ref_", dir="/tmp")
     rows = []
     env = dict(os.environ, TORCH_OFFLOAD_T0=repr(T0))
+    if not args.nondeterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    print(f"kernels: {'torch defaults' if args.nondeterministic else 'deterministic (use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8)'}")
     for wl in workloads:
         order = ["resident"] + [s for s in variants if s != "resident"]  # the reference comes first
         for name in order:
