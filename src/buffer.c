@@ -473,7 +473,7 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
                           (unsigned long long)b->id);
     }
     /* the use on s becomes the device copy's last touch, chained after any other stream's */
-    if ((st = spw__copy_order_dev(ctx, b, s)) || (st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, s))) {
+    if ((st = spw__copy_order_dev(ctx, b, s)) || (st = spw__copy_record_dev(ctx, b, s))) {
         leave(b);
         return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
                                  fn, (unsigned long long)b->id, (void *)s);

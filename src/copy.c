@@ -35,15 +35,24 @@ void spw__copy_streams_destroy(spw_ctx *ctx) {
     e->streams_ok = false;
 }
 
+spw_status spw__copy_record_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
+    b->dev_waited = false;
+    return OPS(ctx)->event_record(BE(ctx), b->ev_dev, s);
+}
+
 spw_status spw__copy_order_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
     if (!b->dev_touched || b->dev_s == s) return SPW_OK; /* nothing to wait for, or stream order */
+    if (b->dev_rec && b->dev_waited && b->dev_waiter == s) return SPW_OK; /* waits already */
     spw_status st;
     if (!b->dev_rec) {
         /* the last touches are plain work on dev_s: mark their end */
-        if ((st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, b->dev_s))) return st;
+        if ((st = spw__copy_record_dev(ctx, b, b->dev_s))) return st;
         b->dev_rec = true;
     }
-    return OPS(ctx)->stream_wait(BE(ctx), s, b->ev_dev);
+    if ((st = OPS(ctx)->stream_wait(BE(ctx), s, b->ev_dev))) return st;
+    b->dev_waited = true;
+    b->dev_waiter = s;
+    return SPW_OK;
 }
 
 /* Order copy stream `s` after pending host-copy work on the other copy stream. */
@@ -73,7 +82,7 @@ spw_status spw__copy_upload(spw_ctx *ctx, spw_buf *b) {
         b->dev_s = e->h2d;
         b->dev_rec = false;
         b->dev_touched = true;
-        if ((st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, e->h2d))) return st;
+        if ((st = spw__copy_record_dev(ctx, b, e->h2d))) return st;
         b->dev_rec = true;
         b->xfer = true;
         /* a read-mostly replica still in place (its collapse was pending) was counted when
@@ -105,7 +114,7 @@ spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n
     }
     b->host_s = e->h2d;
     b->host_rec = true;
-    if ((st = OPS(ctx)->event_record(BE(ctx), b->ev_dev, e->h2d))) return st;
+    if ((st = spw__copy_record_dev(ctx, b, e->h2d))) return st;
     b->dev_rec = true;
     b->xfer = true;
     spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)n);
@@ -149,7 +158,7 @@ spw_status spw__copy_managed_to_host(spw_ctx *ctx, spw_buf *b) {
     /* the pages move whatever their state: unified memory does not know they are clean */
     spw__stat_add(&ctx->stats.bytes_d2h, (int64_t)b->bytes);
     /* recording is an optimization here (host waiters can synchronize d2h instead) */
-    if (!OPS(ctx)->event_record(BE(ctx), b->ev_dev, e->d2h)) b->dev_rec = true;
+    if (!spw__copy_record_dev(ctx, b, e->d2h)) b->dev_rec = true;
     return SPW_OK;
 }
 

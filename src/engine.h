@@ -16,6 +16,8 @@
  *   code (spw_buf_read/write, destroy) waits for it with the lock dropped. `untracked` flags a
  *   copy stream that may hold host-copy work whose event could not be recorded (a failed
  *   event_record after a successful enqueue); host code then synchronizes that stream.
+ * Every record of ev_dev goes through spw__copy_record_dev, which forgets the one stream known to
+ * wait on the previous record (a second wait on the same record would be a wasted call).
  * Consequence: two streams using one buffer at once are chained at release (the second
  * release waits for the first's use). Correct, at the price of a false dependency in that case.
  *
@@ -77,6 +79,8 @@ struct spw_buf {
     spw_event ev_dev, ev_host; /* created at buffer creation */
     spw_stream dev_s, host_s;
     bool dev_rec, host_rec;
+    bool dev_waited;       /* dev_waiter already waits on the current record of ev_dev */
+    spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
     bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
     unsigned untracked;
@@ -140,6 +144,8 @@ spw_status spw__copy_streams(spw_ctx *ctx);       /* create the copy streams onc
 void spw__copy_streams_destroy(spw_ctx *ctx);
 /* Make stream s ordered after every earlier touch of b's device copy. */
 spw_status spw__copy_order_dev(spw_ctx *ctx, spw_buf *b, spw_stream s);
+/* Record ev_dev on s (the device copy's latest touch). The only way ev_dev is recorded. */
+spw_status spw__copy_record_dev(spw_ctx *ctx, spw_buf *b, spw_stream s);
 /* Upload b's host copy into its (already allocated) device copy on the H2D stream, or prefetch
  * managed memory to the device. On failure b's device copy is as before the call (nothing
  * about it is recorded) and no host-copy work is left untracked. */

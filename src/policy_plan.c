@@ -390,7 +390,7 @@ static spw_buf *farthest(spw_policy *p, spw_buf *incoming, int skip, bool prefer
     uint64_t best_d = 0, free_d = 0;
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
         kbuf *k = kb_of(b);
-        if (b == incoming || !spw__pol_evictable(b)) continue;
+        if (b == incoming || !spw__pol_evictable(b) || (p->ahead && spw__pol_dirty(b))) continue;
         if (k && ((skip == SKIP_TARGET && k->target) || (skip == SKIP_FIXED && k->fixed))) continue;
         spw_access mode = SPW_ACCESS_READ;
         uint64_t d = distance(p, b, &mode);
@@ -449,11 +449,8 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
  * of those will be a candidate when it is released). The buffers the caller holds right now
  * are exempt: that one exemption is the double buffer that lets the transfer of the next
  * buffer overlap the work on the current one. */
-static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
-    if (p->rebase_due && !just) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
-    (void)s;
-    if (!prefetching(p->ctx) || !predicting(p) || p->early_max == PF_OFF) return;
-    if (!just) { /* a step begins: the fixed set follows the plan and the pipeline in force */
+static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
+    if (!just) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
         if (p->early_max == PF_STATIC) spw__plan_choose_fixed(p);
         else spw__plan_clear_fixed(p);
     }
@@ -485,6 +482,24 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
         }
         floor = SPW_MAX(floor, reuse_after_entry(p, at));
     }
+}
+
+static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
+    if (p->rebase_due && !just) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
+    (void)s;
+    if (!prefetching(p->ctx) || p->early_max == PF_OFF) return;
+    /* Between steps (after step_end) a confirmed plan is taken to start over: the transfers that
+     * open the next step are issued now, while the caller waits for this one, as a hand-written
+     * loop keeps its copies in flight across the step boundary. Only clean victims then (the
+     * caller may still read what the step wrote). */
+    p->ahead = !just && !p->in_step && p->confirmed && p->nplan && p->index;
+    if (p->ahead) {
+        p->cursor = 0;
+        p->following = true;
+    }
+    if (predicting(p)) prefetch_window(p, ctx, just);
+    if (p->ahead) p->following = false;
+    p->ahead = false;
 }
 
 /* ---- the summary line ---- */

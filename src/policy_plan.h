@@ -97,6 +97,7 @@ struct spw_policy {
     uint64_t created_in_step;
     bool rebase_due;       /* a new plan was learned from a step that did not follow one */
     bool rebasing;         /* choose_victim: only buffers outside the target set */
+    bool ahead;            /* prefetching for the next step between steps: clean victims only */
 };
 
 static inline kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }

@@ -78,7 +78,7 @@ void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b) {
  * recording now orders after that use (and maybe later copies: late, never early). */
 static bool last_use_recorded(spw_ctx *ctx, spw_buf *b) {
     if (!b->dev_touched || b->dev_rec) return true;
-    if (OPS(ctx)->event_record(BE(ctx), b->ev_dev, b->dev_s)) return false;
+    if (spw__copy_record_dev(ctx, b, b->dev_s)) return false;
     b->dev_rec = true;
     return true;
 }
