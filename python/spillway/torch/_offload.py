@@ -362,6 +362,7 @@ class Offload:
         self._devptr = ctypes.c_void_p()
         self._devptr_ref = ctypes.byref(self._devptr)
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._dev_index = self.device.index if self.device.index is not None else 0
         self.hook_ns = 0
         self.acquires = 0
         self.view_builds = 0
@@ -461,7 +462,7 @@ class Offload:
         if self._emu:
             return None
         if self._raw_stream is not None:
-            return self._raw_stream(self.device.index) or None
+            return self._raw_stream(self._dev_index) or None
         return torch.cuda.current_stream(self.device).cuda_stream or None
 
     def _views(self, u: _Unit, ptr: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
