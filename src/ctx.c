@@ -104,6 +104,7 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
         goto fail;
     }
     ctx->stats.budget = ctx->budget;
+    ctx->budget_max = ctx->budget;
 
     bool vmm = ctx->dev.vmm_supported && ctx->backend->ops->map && ctx->cfg.vmm != SPW_TRI_OFF;
     if (ctx->cfg.vmm == SPW_TRI_ON && !vmm) {
@@ -268,6 +269,33 @@ SPW_API spw_status spw_free(spw_ctx *ctx, void *ptr, spw_stream stream) {
     live_put(ctx, e);
     pthread_mutex_unlock(&ctx->lock);
     return SPW_OK;
+}
+
+bool spw__ctx_live_requested(spw_ctx *ctx, const void *ptr, size_t *requested) {
+    pthread_mutex_lock(&ctx->lock);
+    spw_live *e = NULL;
+    HASH_FIND_PTR(ctx->live_map, &ptr, e);
+    if (e && requested) *requested = e->requested;
+    pthread_mutex_unlock(&ctx->lock);
+    return e != NULL;
+}
+
+spw_status spw__ctx_set_budget(spw_ctx *ctx, size_t bytes) {
+    if (bytes == 0 || bytes > ctx->budget_max)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT, "budget %zu B: must be between 1 B and the budget the "
+                          "context was created with (%zu B)", bytes, ctx->budget_max);
+    pthread_mutex_lock(&ctx->lock);
+    ctx->budget = bytes;
+    ctx->stats.budget = bytes;
+    size_t got;
+    spw_status st = SPW_OK;
+    if ((size_t)ctx->stats.held.current > bytes) {
+        /* give back cached memory now; live bytes above the new budget stay until freed */
+        st = spw__arena_trim(ctx->small, SIZE_MAX, &got);
+        if (!st) st = spw__arena_trim(ctx->large, SIZE_MAX, &got);
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    return st;
 }
 
 SPW_API spw_status spw_empty_cache(spw_ctx *ctx) {

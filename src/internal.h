@@ -138,6 +138,7 @@ struct spw_ctx {
     spw_backend *backend;
     spw_device_info dev;
     size_t budget;
+    size_t budget_max;          /* the budget at creation: address space was reserved for it */
     spw_arena *small;
     spw_arena *large;
     spw_live *live_map;         /* uthash by pointer */
@@ -154,6 +155,11 @@ void spw__stat_event(spw_counter *c);
  * the same budget) and try once more. SPW_ERR_OUT_OF_MEMORY without a message when it cannot.
  * Context lock held. */
 spw_status spw__ctx_alloc_block(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
+/* true if ptr is a live allocation of ctx; *requested (may be NULL) gets its requested size. */
+bool spw__ctx_live_requested(struct spw_ctx *ctx, const void *ptr, size_t *requested);
+/* Change the budget to bytes (1 .. budget_max). Lowering it below held bytes releases the cache
+ * at once; live bytes above it stay until freed, and no allocation succeeds until held fits. */
+spw_status spw__ctx_set_budget(struct spw_ctx *ctx, size_t bytes);
 /* Fill the out-of-memory message for a request of `bytes`. */
 spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
 
