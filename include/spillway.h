@@ -162,6 +162,7 @@ typedef struct spw_counter {
     X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (with the trace on)") \
     X(buffers_resident, 0, "buffers with a device copy")                                       \
     X(buffers_host, 0, "buffers with only a host copy (or dead)")                              \
+    X(resident_bytes, 1, "bytes of buffers with a device copy (offloaded weights on the device)") \
     X(host_held, 1, "pinned host bytes held by the buffer host pool")                          \
     X(pinned, 1, "device bytes of acquired (pinned) buffers")                                 \
     X(plan_hits, 0, "policy=plan: acquisitions that matched the learned plan")                \
@@ -179,6 +180,8 @@ typedef struct spw_stats {
 } spw_stats;
 
 SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out);
+/* Start every counter's peak again from its current value (torch.cuda.reset_peak_memory_stats). */
+SPW_API spw_status spw_stats_reset_peaks(spw_ctx *ctx);
 /* Readable table of the statistics. */
 SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f);
 /* The same as one JSON object (no trailing newline). */
@@ -295,6 +298,9 @@ SPW_API spw_status spw_torch_context(int device, int create, spw_ctx **out);
 /* Allocations refused under device's budget so far, and the message of the latest refusal
  * (written to buf, always NUL-terminated; "" when none). */
 SPW_API uint64_t spw_torch_oom_count(int device);
+/* 1 while the latest allocation on device was refused under its budget (a later success clears
+ * it): PyTorch's out-of-memory observer uses it to tell spillway's refusals from other OOMs. */
+SPW_API int spw_torch_oom_pending(int device);
 SPW_API spw_status spw_torch_oom_message(int device, char *buf, size_t len);
 /* Destroy every device's context and forget the configuration (tests, process teardown).
  * SPW_ERR_STATE, changing nothing, while any context has live allocations. */

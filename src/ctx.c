@@ -318,6 +318,16 @@ SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
     return SPW_OK;
 }
 
+SPW_API spw_status spw_stats_reset_peaks(spw_ctx *ctx) {
+    if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stats_reset_peaks: context is NULL");
+    pthread_mutex_lock(&ctx->lock);
+#define SPW_RESET_PEAK_(name, is_bytes, desc) ctx->stats.name.peak = ctx->stats.name.current;
+    SPW_STAT_LIST(SPW_RESET_PEAK_)
+#undef SPW_RESET_PEAK_
+    pthread_mutex_unlock(&ctx->lock);
+    return SPW_OK;
+}
+
 void spw__ctx_describe_policy(spw_ctx *ctx, char *buf, size_t len) {
     pthread_mutex_lock(&ctx->lock);
     spw__engine_describe(ctx, buf, len);

@@ -16,6 +16,7 @@ static void set_resident(spw_ctx *ctx, spw_buf *b, bool on) {
     b->resident = on;
     spw__stat_add(&ctx->stats.buffers_resident, on ? 1 : -1);
     spw__stat_add(&ctx->stats.buffers_host, on ? -1 : 1);
+    spw__stat_add(&ctx->stats.resident_bytes, on ? (int64_t)b->bytes : -(int64_t)b->bytes);
     if (on) {
         if (ctx->engine->pops->on_resident) ctx->engine->pops->on_resident(ctx->engine->pol, b);
     } else {

@@ -26,6 +26,7 @@ typedef struct torch_dev {
     _Atomic(spw_ctx *) ctx;
     double fraction;          /* memory_fraction before creation; 0 = none */
     _Atomic uint64_t ooms;
+    _Atomic int pending;      /* the latest allocation on this device was refused */
     char oom_msg[1024];       /* g_lock */
 } torch_dev;
 
@@ -210,6 +211,7 @@ static void record_oom(int device) {
     pthread_mutex_lock(&g_lock);
     snprintf(g_dev[device].oom_msg, sizeof g_dev[device].oom_msg, "device %d: %s", device, spw_last_error());
     atomic_fetch_add(&g_dev[device].ooms, 1);
+    atomic_store(&g_dev[device].pending, 1);
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -226,6 +228,8 @@ SPW_API void *spw_torch_alloc(size_t size, int device, spw_stream stream) {
         if (st == SPW_ERR_OUT_OF_MEMORY) record_oom(device);
         return NULL;
     }
+    if (SPW_UNLIKELY(atomic_load_explicit(&g_dev[device].pending, memory_order_relaxed)))
+        atomic_store(&g_dev[device].pending, 0);
     return p;
 }
 
@@ -388,6 +392,11 @@ SPW_API uint64_t spw_torch_oom_count(int device) {
     return atomic_load(&g_dev[device].ooms);
 }
 
+SPW_API int spw_torch_oom_pending(int device) {
+    if (device < 0 || device >= SPW_TORCH_MAX_DEVICES) return 0;
+    return atomic_load(&g_dev[device].pending);
+}
+
 SPW_API spw_status spw_torch_oom_message(int device, char *buf, size_t len) {
     if (!buf || !len) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_torch_oom_message: no buffer");
     spw_status st = check_device(device, "spw_torch_oom_message");
@@ -417,6 +426,7 @@ SPW_API spw_status spw_torch_shutdown(void) {
         g_dev[d].fraction = 0;
         g_dev[d].oom_msg[0] = 0;
         atomic_store(&g_dev[d].ooms, 0);
+        atomic_store(&g_dev[d].pending, 0);
     }
     torch_rec *r, *tmp;
     HASH_ITER(hh, g_recs, r, tmp) {

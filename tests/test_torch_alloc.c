@@ -104,6 +104,7 @@ static void budget_and_oom_message(void **s) {
     assert_int_equal(spw_torch_oom_count(0), 0);
     assert_null(spw_torch_alloc(6 * MiB, 0, NULL));
     assert_int_equal(spw_torch_oom_count(0), 1);
+    assert_int_equal(spw_torch_oom_pending(0), 1);
     assert_int_equal(spw_torch_oom_count(1), 0);
     char msg[1024];
     assert_ok(spw_torch_oom_message(0, msg, sizeof msg));
@@ -116,6 +117,8 @@ static void budget_and_oom_message(void **s) {
     spw_torch_free(a, 6 * MiB, 0, NULL);
     a = spw_torch_alloc(6 * MiB, 0, NULL); /* fits again */
     assert_non_null(a);
+    assert_int_equal(spw_torch_oom_pending(0), 0); /* a success clears it */
+    assert_int_equal(spw_torch_oom_count(0), 1);
     spw_torch_free(a, 6 * MiB, 0, NULL);
     /* device 1 has its own, larger budget */
     void *b = spw_torch_alloc(12 * MiB, 1, NULL);

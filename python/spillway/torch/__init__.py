@@ -6,11 +6,42 @@
     out = model(x)                                     # each block is moved in as it runs
     print(off.summary())
 
-See offload() for what is offloaded and what the budget covers. Importing this module imports
+See offload() for what is offloaded and what the budget covers. use_allocator(budget=...) puts
+every CUDA allocation of PyTorch under one spillway budget per device, shared with offload(). Importing this module imports
 torch; `import spillway` alone never does.
 """
 from __future__ import annotations
 
+from ._alloc import (
+    Allocator,
+    context,
+    current,
+    empty_cache,
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+    reset_peak_memory_stats,
+    use_allocator,
+)
 from ._offload import Offload, OutOfMemoryError, offload
 
-__all__ = ["offload", "Offload", "OutOfMemoryError"]
+__all__ = [
+    "offload",
+    "Offload",
+    "OutOfMemoryError",
+    "use_allocator",
+    "Allocator",
+    "context",
+    "current",
+    "empty_cache",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_summary",
+    "reset_peak_memory_stats",
+]

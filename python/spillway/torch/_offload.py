@@ -50,6 +50,7 @@ from .. import _lib
 from ..core import Context, format_size, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
+from . import _alloc
 
 _lib_c = _lib.lib
 _ALIGN = 256
@@ -335,6 +336,10 @@ class Offload:
             if not 0 < pct <= 100:
                 raise ConfigError(f"offload: budget {budget!r} must be between 0% and 100%")
             budget_v = int(total * pct / 100)
+        # Under use_allocator the weights draw on its context of this device: one budget.
+        shared = _alloc.shared_context(dev, backend)
+        if shared is not None:
+            budget_v = free = shared.budget
         # The device arena maps memory in 2 MiB pages: a unit occupies at least its size rounded up.
         need = _align(largest.nbytes, _ARENA_PAGE)
         if budget_v < need:
@@ -346,7 +351,7 @@ class Offload:
             raise ConfigError(
                 f"offload: budget {format_size(budget_v)} is above the free device memory "
                 f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
-        self.context = Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
+        self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
 
         self.units = units
         self._needs = needs
@@ -831,6 +836,8 @@ def offload(module: nn.Module, budget: Union[int, str], policy: str = "plan", de
     ModuleList/Sequential). trace: write a Chrome trace of copies and evictions to this file.
     options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
     unknown one is a ConfigError. Parameters with requires_grad=True stay resident.
+    While spillway.torch.use_allocator is active, the weights use its context of the device
+    instead (its budget and policy; budget and the context options here are not used).
     A unit that cannot be made resident during a forward raises spillway.torch.OutOfMemoryError,
     which is also torch's out-of-memory error. On any error the module is unchanged.
     """

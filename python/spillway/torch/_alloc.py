@@ -1,0 +1,450 @@
+"""spillway.torch.use_allocator: one budget per device for everything PyTorch allocates there.
+
+How it is wired (PyTorch 2.11), and why:
+
+- libspillway exports PyTorch's pluggable-allocator entry points (spw_torch_alloc/free: one
+  spillway context per device, created on the first allocation from SPILLWAY_CONF and the options
+  given here). They are registered with torch._C._cuda_customAllocator and used as the memory
+  source of a torch.cuda.MemPool per device.
+- mode="global": every allocation on each device, from every thread and stream (autograd's
+  backward threads included), is routed to that pool (torch._C._cuda_beginAllocateToPool).
+  mode="pool": only what the current thread allocates inside `with allocator:` (use_mem_pool).
+- PyTorch's caching allocator stays the current allocator and caches blocks of the pool's
+  segments; spillway holds those segments under the budget. So torch.cuda.memory_stats,
+  cacheInfo (cudnn.benchmark) and torch.compile keep working, and a refused segment takes
+  PyTorch's out-of-memory path (free its cache, retry) instead of reaching a tensor as NULL.
+  change_current_allocator is not used: in PyTorch 2.11 a NULL from a replaced allocator is not
+  turned into an exception, and memory_stats/cacheInfo/record_stream are not supported there.
+- An out-of-memory observer turns a refusal by spillway into spillway.torch.OutOfMemoryError
+  (a torch.OutOfMemoryError) carrying spillway's message: requested, budget, held, live, cached,
+  and what would help. OOMs that spillway did not cause keep PyTorch's message.
+- CUDA graph capture where the routing applies fails at once (see use_allocator).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from .. import _lib
+from ..core import Context, _option_text, format_size, parse_size
+from ..errors import ConfigError, InvalidArgument, StateError, check
+from .. import errors as _errors
+
+_lib_c = _lib.lib
+_MODES = ("global", "pool")
+
+
+_lock = threading.RLock()
+_active: Optional["Allocator"] = None
+_contexts: Dict[int, "_SharedContext"] = {}
+_pools_keep: List[Any] = []  # pools outlive the Allocator: tensors allocated from them may live on
+_observer_attached = False
+_graph_guard_installed = False
+_tls = threading.local()  # .pool_depth: `with allocator:` (pool mode) nesting on this thread
+
+
+class _SharedContext(Context):
+    """The context of one device, owned by the library's torch entry points: close() forgets it
+    but never destroys it (PyTorch may still hold memory from it)."""
+
+    def __init__(self, handle: int) -> None:  # noqa: D401 - not Context's constructor
+        import weakref
+
+        self._handle = handle
+        self._children = weakref.WeakSet()
+        self.options = {"shared": "torch allocator"}
+
+    def close(self) -> None:
+        """Nothing: the context is shared (its users each close their own buffers)."""
+
+    def _forget(self) -> None:
+        for child in list(self._children):
+            child._orphan()
+        self._handle = None
+
+
+def _budget_text(budget: Any) -> Optional[str]:
+    """The budget option as the library reads it: one size for every device, or per device."""
+    if budget is None:
+        return None
+    if isinstance(budget, dict):
+        items = []
+        for dev, size in sorted(budget.items()):
+            if isinstance(dev, bool) or not isinstance(dev, int) or dev < 0:
+                raise ConfigError(f"use_allocator: budget keys must be device indices (int >= 0), got {dev!r}")
+            items.append(f"{dev}:{_size_text(size)}")
+        if not items:
+            raise ConfigError("use_allocator: budget={} names no device")
+        return ";".join(items)
+    if isinstance(budget, str) and ":" in budget:
+        return budget.strip()
+    return _size_text(budget)
+
+
+def _size_text(size: Any) -> str:
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ConfigError(f"use_allocator: a budget is bytes (int) or a size string such as '6GiB', got {size!r}")
+    if isinstance(size, str) and size.strip().endswith("%"):
+        return size.strip()
+    try:
+        n = parse_size(size)
+    except _errors.Error as e:
+        raise ConfigError(f"use_allocator: bad budget {size!r}: {e.message}") from None
+    if n <= 0:
+        raise ConfigError(f"use_allocator: a budget must be positive, got {size!r}")
+    return str(n)
+
+
+def _conf_text(budget: Any, options: Dict[str, Any]) -> str:
+    parts = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key == "device":
+            raise ConfigError("use_allocator: option 'device' is chosen per allocation by PyTorch; "
+                              "give per-device budgets as budget={0: '4GiB', 1: '8GiB'} or '0:4GiB;1:8GiB'")
+        text = _option_text(key, value)
+        if "," in text:
+            raise ConfigError(f"use_allocator: option {key!r}: the value may not contain ','")
+        parts.append(f"{key}={text}")
+    b = _budget_text(budget)
+    if b is not None:
+        parts.append(f"budget={b}")
+    return ",".join(parts)
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        if _active is not None and not _active.routed:
+            return 0
+        return torch.cuda.current_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    d = torch.device(device)
+    if d.type == "cpu":
+        return 0
+    if d.type != "cuda":
+        raise InvalidArgument(f"spillway.torch: not a CUDA device: {device!r}")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def context(device: Any = None, create: bool = True) -> Context:
+    """The spillway Context of device (default: the current CUDA device) used by the allocator:
+    stats(), summary(), buffers. It is shared: closing it only forgets this Python object."""
+    idx = _device_index(device)
+    with _lock:
+        ctx = _contexts.get(idx)
+        if ctx is not None and not ctx.closed:
+            return ctx
+        out = ctypes.c_void_p()
+        check(_lib_c.spw_torch_context(idx, 1 if create else 0, ctypes.byref(out)))
+        ctx = _SharedContext(out.value)
+        _contexts[idx] = ctx
+        return ctx
+
+
+def _oom_observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    """PyTorch's out-of-memory observer: raise spillway's error when spillway refused."""
+    if not _lib_c.spw_torch_oom_pending(device):
+        return  # not ours: PyTorch raises its own message
+    raise _oom_error(device, alloc)
+
+
+def _oom_error(device: int, alloc: Optional[int]) -> Exception:
+    from ._offload import OutOfMemoryError  # one class for every spillway.torch OOM
+
+    buf = ctypes.create_string_buffer(1024)
+    _lib_c.spw_torch_oom_message(device, buf, len(buf))
+    msg = buf.value.decode("utf-8", "replace")
+    what = f"PyTorch asked for {format_size(alloc)} ({alloc} B) on cuda:{device}" if alloc is not None else \
+        f"an allocation on device {device}"
+    mode = _active.mode if _active is not None else "closed"
+    err = OutOfMemoryError(
+        f"spillway: out of memory under the budget (use_allocator, mode={mode}): {what}, and spillway refused "
+        f"the segment after releasing its cache and evicting unpinned offloaded weights. {msg}. "
+        "What would help: a larger budget (use_allocator(budget=...)), a smaller batch, "
+        "spillway.torch.empty_cache(), or offloading frozen weights with spillway.torch.offload(...)")
+    err.status = _lib.Status.ERR_OUT_OF_MEMORY
+    return err
+
+
+def _install_graph_guard() -> None:
+    global _graph_guard_installed
+    if _graph_guard_installed:
+        return
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    if cls is None:
+        return
+    orig = cls.capture_begin
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        a = _active
+        if a is not None and a.routed and a.mode == "global":
+            raise RuntimeError(
+                "spillway.torch: CUDA graph capture is refused while use_allocator(mode='global') routes every "
+                "allocation to spillway's pool (the graph's private memory would be shared with eager tensors). "
+                "Use mode='pool' and capture outside its `with` block, or close() the allocator first")
+        if getattr(_tls, "pool_depth", 0):
+            raise RuntimeError(
+                "spillway.torch: CUDA graph capture is refused inside `with use_allocator(mode='pool')`: the graph's "
+                "private memory would be shared with the pool's tensors. Capture outside the `with` block")
+        return orig(self, *args, **kwargs)
+
+    cls.capture_begin = capture_begin
+    _graph_guard_installed = True
+
+
+class Allocator:
+    """Returned by use_allocator(): the statistics of its devices, empty_cache(), and close().
+    In mode="pool" use it as `with allocator:` around the code whose allocations it budgets."""
+
+    def __init__(self) -> None:  # use use_allocator()
+        raise TypeError("use spillway.torch.use_allocator(budget=...)")
+
+    @classmethod
+    def _start(cls, mode: str, conf: str, backend: str) -> "Allocator":
+        self = object.__new__(cls)
+        self.mode = mode
+        self.conf = conf
+        self.backend = backend
+        self.routed = False
+        self.closed = False
+        self._pools: Dict[int, Any] = {}
+        self._pool_ctx: List[Any] = []
+        self._pluggable = None
+        if backend == "emu":
+            return self  # contexts only: CPU tensors do not come from it (tests, offload on CPU)
+        if not torch.cuda.is_available():
+            raise _errors.NoDeviceError("spillway.torch.use_allocator: no CUDA device (torch.cuda.is_available() "
+                                        "is False); backend='emu' gives the contexts without routing")
+        if not hasattr(torch.cuda, "MemPool") or not hasattr(torch._C, "_cuda_beginAllocateToPool"):
+            raise _errors.UnsupportedError(
+                f"spillway.torch.use_allocator needs torch.cuda.MemPool (PyTorch >= 2.8); this is {torch.__version__}")
+        alloc_fn = ctypes.cast(_lib_c.spw_torch_alloc, ctypes.c_void_p).value
+        free_fn = ctypes.cast(_lib_c.spw_torch_free, ctypes.c_void_p).value
+        self._pluggable = torch._C._cuda_customAllocator(alloc_fn, free_fn)
+        _attach_observer()
+        _install_graph_guard()
+        if mode == "global":
+            for d in range(torch.cuda.device_count()):
+                pool = self._pool(d)
+                torch._C._cuda_beginAllocateToPool(d, pool.id)
+        self.routed = True
+        return self
+
+    def _pool(self, device: int) -> Any:
+        pool = self._pools.get(device)
+        if pool is None:
+            with torch.cuda.device(device):
+                pool = torch.cuda.MemPool(self._pluggable)
+            self._pools[device] = pool
+            _pools_keep.append(pool)
+        return pool
+
+    # ---- pool mode: the region ----
+    def __enter__(self) -> "Allocator":
+        if self.closed:
+            raise StateError("spillway.torch: this allocator is closed")
+        if self.mode == "pool" and self.routed:
+            d = torch.cuda.current_device()
+            cm = torch.cuda.use_mem_pool(self._pool(d), d)
+            cm.__enter__()
+            self._pool_ctx.append(cm)
+            _tls.pool_depth = getattr(_tls, "pool_depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.mode == "pool":
+            if self._pool_ctx:
+                _tls.pool_depth -= 1
+                self._pool_ctx.pop().__exit__(*exc)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Stop routing new allocations (global mode). Tensors already allocated stay valid and go
+        back to spillway when freed; the device contexts stay (offloaded modules keep using them)."""
+        global _active
+        with _lock:
+            if self.closed:
+                return
+            if self.routed and self.mode == "global":
+                for d, pool in self._pools.items():
+                    torch._C._cuda_endAllocateToPool(d, pool.id)
+            self.closed = True
+            if _active is self:
+                _active = None
+
+    # ---- statistics (see the module functions) ----
+    def memory_stats(self, device: Any = None) -> Dict[str, int]:
+        return memory_stats(device)
+
+    def memory_summary(self, device: Any = None) -> str:
+        return memory_summary(device)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("routing" if self.routed else "contexts only")
+        return f"<spillway.torch.Allocator mode={self.mode} backend={self.backend} {state} conf={self.conf!r}>"
+
+
+def _attach_observer() -> None:
+    global _observer_attached
+    if _observer_attached:
+        return
+    torch._C._cuda_attach_out_of_memory_observer(_oom_observer)
+    _observer_attached = True
+
+
+def use_allocator(budget: Union[int, str, Dict[int, Union[int, str]], None] = None, mode: str = "global",
+                  **options: Any) -> Allocator:
+    """Put PyTorch's CUDA allocations under spillway's budget, one context per device.
+
+    budget: bytes or a size ("6GiB", "80%") for every device, or per device as a dict
+    ({0: "4GiB", 1: "8GiB"}) or the string "0:4GiB;1:8GiB" (unlisted devices: 90%). The budget
+    covers everything routed to spillway on the device: tensors, PyTorch's cached blocks of them,
+    and the weights of modules offloaded with spillway.torch.offload() while this is active (an
+    allocation that does not fit evicts unpinned weights by the policy before it fails).
+    mode: "global" routes every allocation of every device from every thread (training: the
+    backward pass runs on autograd's threads); "pool" routes only what the current thread
+    allocates inside `with allocator:` (PyTorch's use_mem_pool), so a backward pass started
+    inside still allocates on autograd's threads outside the budget.
+    options: other spillway options (policy="lru"|"plan", on_exhaust="fail"|"evict", ...);
+    SPILLWAY_CONF applies first. backend="emu" creates emulated contexts and routes nothing
+    (tests; offload on CPU).
+    Call it before the first CUDA allocation you want budgeted, once per process: the contexts
+    are created with these options on first use and kept (a second call with other options
+    raises StateError). An allocation refused under the budget raises
+    spillway.torch.OutOfMemoryError, a torch.OutOfMemoryError, with spillway's message.
+    CUDA graph capture raises at once in mode="global", and inside `with` in mode="pool".
+    """
+    global _active
+    if mode not in _MODES:
+        raise ConfigError(f"use_allocator: mode must be 'global' or 'pool', got {mode!r}")
+    backend = options.get("backend", "auto")
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "emu"
+        options["backend"] = backend
+    conf = _conf_text(budget, options)
+    with _lock:
+        if _active is not None and not _active.closed:
+            raise StateError(f"use_allocator: one is already active ({_active!r}); close() it first")
+        st = _lib_c.spw_torch_configure(conf.encode())
+        if st == _lib.Status.ERR_STATE:
+            if conf != _configured.get("conf"):
+                raise StateError(
+                    f"use_allocator: the device contexts were created with {_configured.get('conf')!r}; options "
+                    f"{conf!r} apply only to contexts not yet created (one configuration per process)")
+        else:
+            check(st)
+            _configured["conf"] = conf
+        alloc = Allocator._start(mode, conf, backend)
+        _active = alloc
+        return alloc
+
+
+_configured: Dict[str, str] = {}
+
+
+def current() -> Optional[Allocator]:
+    """The active Allocator, or None."""
+    return _active if _active is not None and not _active.closed else None
+
+
+def shared_context(device: Any, backend: str) -> Optional[Context]:
+    """For offload(): the context of device while use_allocator is active on the same backend,
+    else None."""
+    a = current()
+    if a is None or a.backend != backend:
+        return None
+    return context(device)
+
+
+# ---- statistics, named as torch.cuda names them ----
+
+def memory_stats(device: Any = None) -> Dict[str, int]:
+    """spillway's counters of device's context, flattened ("held.current", "live.peak", ...),
+    plus "weights.current"/"tensors.current" (bytes of offloaded weights on the device and of
+    everything else spillway hands to PyTorch) and "budget"."""
+    ctx = context(device)
+    flat = ctx.memory_stats()
+    flat["weights.current"] = flat["resident_bytes.current"]
+    flat["weights.peak"] = flat["resident_bytes.peak"]
+    flat["tensors.current"] = max(0, flat["live.current"] - flat["resident_bytes.current"])
+    return flat
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Device bytes spillway has handed out on device (PyTorch's segments and resident weights)."""
+    return context(device).stats()["live"]["current"]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return context(device).stats()["live"]["peak"]
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Device bytes spillway holds on device; never above the budget."""
+    return context(device).stats()["held"]["current"]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return context(device).stats()["held"]["peak"]
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start the peaks of device's counters again from now (also PyTorch's, on CUDA)."""
+    ctx = context(device)
+    check(_lib_c.spw_stats_reset_peaks(ctx._live()))
+    a = current()
+    if a is not None and a.routed:
+        torch.cuda.reset_peak_memory_stats(_device_index(device))
+
+
+def empty_cache() -> None:
+    """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device."""
+    a = current()
+    if a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        torch.cuda.empty_cache()
+    _lib_c.spw_torch_reset()
+
+
+def memory_summary(device: Any = None) -> str:
+    """Readable report of device: budget, held, tensors and offloaded weights apart, refusals,
+    then spillway's table."""
+    idx = _device_index(device)
+    ctx = context(idx)
+    s = ctx.stats()
+    weights = s["resident_bytes"]["current"]
+    tensors = max(0, s["live"]["current"] - weights)
+    a = current()
+    lines = [
+        f"spillway.torch allocator, device {idx} ({ctx.backend}, mode {a.mode if a else 'closed'})",
+        f"  budget            {format_size(s['budget'])}",
+        f"  held              {format_size(s['held']['current'])} (peak {format_size(s['held']['peak'])})",
+        f"  tensors           {format_size(tensors)}  (PyTorch's segments: its tensors and its cache of them)",
+        f"  offloaded weights {format_size(weights)} on the device in {s['buffers_resident']['current']} units, "
+        f"{s['buffers_host']['current']} units on the host only",
+        f"  cached            {format_size(s['cached']['current'])}",
+        f"  evictions         {s['evictions_clean']['total'] + s['evictions_dirty']['total']}, "
+        f"refusals {int(_lib_c.spw_torch_oom_count(idx))}",
+        "",
+        ctx.summary(),
+    ]
+    return "\n".join(lines)
+
+
+def _shutdown() -> None:
+    """Tests: forget every context (the library destroys them; refused while memory is live)."""
+    global _active
+    with _lock:
+        check(_lib_c.spw_torch_shutdown())
+        for ctx in _contexts.values():
+            ctx._forget()
+        _contexts.clear()
+        _configured.clear()
+        if _active is not None:
+            _active.closed = True
+        _active = None

@@ -1,0 +1,189 @@
+"""spillway.torch.use_allocator on the emu backend (CPU torch cannot route CUDA allocations, so
+allocations go through the library's PyTorch entry points by ctypes, as PyTorch would call them):
+configuration, per-device contexts and budgets, the statistics functions, the OOM error PyTorch's
+observer raises, and one budget shared with offload()."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spillway
+import spillway.torch as spt
+from spillway import _lib
+from spillway.torch import _alloc
+from models import make_stack
+
+MiB = 1 << 20
+lib = _lib.lib
+EMU = dict(backend="emu", emu_capacity="256MiB")
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    _alloc._shutdown()
+    yield
+    a = spt.current()
+    if a is not None:
+        a.close()
+    _alloc._shutdown()
+
+
+def talloc(nbytes: int, device: int = 0) -> int:
+    return lib.spw_torch_alloc(nbytes, device, None) or 0
+
+
+def tfree(ptr: int, nbytes: int, device: int = 0) -> None:
+    lib.spw_torch_free(ptr, nbytes, device, None)
+
+
+# ---- configuration ----
+
+def test_budget_forms_become_the_librarys_list():
+    assert _alloc._conf_text({1: "8GiB", 0: 4 * MiB}, {}) == "budget=0:4194304;1:8589934592"
+    assert _alloc._conf_text("0:4GiB;1:8GiB", {"policy": "lru"}) == "policy=lru,budget=0:4GiB;1:8GiB"
+    assert _alloc._conf_text("50%", {"prefetch": True}) == "prefetch=on,budget=50%"
+    assert _alloc._conf_text(None, {}) == ""
+    for bad in ({"0": "1GiB"}, {0: "lots"}, 0, -5, 1.5, {}, "many"):
+        with pytest.raises(spillway.ConfigError):
+            _alloc._conf_text(bad, {})
+    with pytest.raises(spillway.ConfigError, match="chosen per allocation by PyTorch"):
+        _alloc._conf_text("1GiB", {"device": 1})
+    with pytest.raises(spillway.ConfigError, match="mode must be"):
+        spt.use_allocator("1GiB", mode="everything", **EMU)
+
+
+def test_bad_options_change_nothing():
+    with pytest.raises(spillway.ConfigError, match="no_such_option"):
+        spt.use_allocator("8MiB", no_such_option=1, **EMU)
+    with pytest.raises(spillway.ConfigError, match="device 0 is given twice"):
+        spt.use_allocator("0:8MiB;0:9MiB", **EMU)
+    assert spt.current() is None
+    a = spt.use_allocator({0: "8MiB"}, **EMU)  # still possible: nothing was configured
+    assert spt.context(0).budget == 8 * MiB
+    a.close()
+
+
+def test_per_device_contexts_and_budgets():
+    a = spt.use_allocator({0: "8MiB", 1: "16MiB"}, **EMU)
+    assert a.mode == "global" and not a.routed  # emu: contexts only
+    p0, p1 = talloc(MiB, 0), talloc(MiB, 1)
+    assert p0 and p1
+    c0, c1 = spt.context(0), spt.context(1)
+    assert c0.budget == 8 * MiB and c1.budget == 16 * MiB
+    assert c0.backend == "emu"
+    assert spt.context(0) is c0  # one Python object per device
+    assert talloc(12 * MiB, 0) == 0  # over device 0's budget
+    p = talloc(12 * MiB, 1)  # within device 1's
+    assert p
+    tfree(p, 12 * MiB, 1)
+    tfree(p0, MiB, 0)
+    tfree(p1, MiB, 1)
+    c0.close()  # shared: closing the Python object destroys nothing
+    assert spt.memory_reserved(0) > 0
+
+
+def test_one_configuration_per_process():
+    a = spt.use_allocator("8MiB", **EMU)
+    with pytest.raises(spillway.StateError, match="already active"):
+        spt.use_allocator("8MiB", **EMU)
+    p = talloc(MiB)
+    a.close()
+    with pytest.raises(spillway.StateError, match="one configuration per process"):
+        spt.use_allocator("16MiB", **EMU)
+    b = spt.use_allocator("8MiB", **EMU)  # the same options: fine, same contexts
+    assert spt.context(0).budget == 8 * MiB
+    tfree(p, MiB)
+    b.close()
+
+
+# ---- statistics ----
+
+def test_stats_functions():
+    spt.use_allocator("32MiB", **EMU)
+    p = talloc(6 * MiB)
+    q = talloc(4 * MiB)
+    assert spt.memory_allocated(0) == 10 * MiB
+    assert spt.max_memory_allocated(0) == 10 * MiB
+    assert spt.memory_reserved(0) >= 10 * MiB
+    tfree(q, 4 * MiB)
+    assert spt.memory_allocated(0) == 6 * MiB
+    assert spt.max_memory_allocated(0) == 10 * MiB
+    spt.reset_peak_memory_stats(0)
+    assert spt.max_memory_allocated(0) == 6 * MiB
+    st = spt.memory_stats(0)
+    assert st["live.current"] == 6 * MiB and st["budget"] == 32 * MiB
+    assert st["tensors.current"] == 6 * MiB and st["weights.current"] == 0
+    assert st["held.peak"] <= 32 * MiB
+    text = spt.memory_summary(0)
+    for want in ("budget            32.00 MiB", "tensors           6.00 MiB", "offloaded weights 0 B",
+                 "spillway memory summary"):
+        assert want in text, text
+    tfree(p, 6 * MiB)
+    assert spt.memory_reserved(0) > 0
+    spt.empty_cache()
+    assert spt.memory_reserved(0) == 0
+    assert spt.max_memory_reserved(0) >= 10 * MiB
+
+
+# ---- out of memory ----
+
+def test_refusal_becomes_torch_out_of_memory_with_spillways_message():
+    spt.use_allocator({0: "8MiB"}, **EMU)
+    p = talloc(6 * MiB)
+    assert _alloc._oom_observer(0, 6 * MiB, 0, 0) is None  # nothing refused: not ours
+    assert talloc(6 * MiB) == 0
+    with pytest.raises(spt.OutOfMemoryError) as info:
+        _alloc._oom_observer(0, 5 * MiB, 0, 0)
+    e = info.value
+    assert isinstance(e, spillway.OutOfMemoryError)
+    assert isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+    msg = str(e)
+    for want in ("PyTorch asked for 5.00 MiB", "device 0", "requested 6.00 MiB", "budget 8.00 MiB", "held",
+                 "live 6.00 MiB", "cached", "What would help", "use_allocator(budget=...)"):
+        assert want in msg, msg
+    assert "refusals 1" in spt.memory_summary(0)
+    # another device's OOM is not spillway's
+    assert _alloc._oom_observer(1, MiB, 0, 0) is None
+    tfree(p, 6 * MiB)
+    q = talloc(6 * MiB)  # a success clears the refusal: a later OOM elsewhere keeps PyTorch's message
+    assert q and _alloc._oom_observer(0, MiB, 0, 0) is None
+    tfree(q, 6 * MiB)
+
+
+# ---- one budget with offload ----
+
+def test_offload_shares_the_budget_and_is_evicted_before_a_refusal():
+    spt.use_allocator("24MiB", policy="lru", **EMU)
+    m = make_stack(dim=1000, depth=4).requires_grad_(False)  # four ~3.8 MiB units
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 1000)
+    off = spt.offload(m, budget="24MiB", backend="emu")
+    assert off.context is spt.context(0)
+    assert torch.equal(m(x), ref(x))
+    st = spt.memory_stats(0)
+    assert st["weights.current"] >= 15 * MiB  # every unit stayed resident: room enough
+    kv = talloc(14 * MiB)  # a growing KV cache: does not fit beside the weights
+    assert kv, _lib.last_error()
+    st = spt.memory_stats(0)
+    assert st["evictions_clean.total"] >= 2
+    assert st["tensors.current"] == 14 * MiB
+    assert st["held.peak"] <= 24 * MiB
+    assert torch.equal(m(x), ref(x))  # weights come back one unit at a time within the budget
+    text = spt.memory_summary(0)
+    assert "tensors           14.00 MiB" in text and "offloaded weights" in text
+    # a torch allocation that cannot fit even with every weight evicted is refused
+    assert talloc(12 * MiB) == 0
+    assert spt.memory_stats(0)["weights.current"] == 0
+    off.remove()
+    assert not spt.context(0).closed  # remove() leaves the shared context alone
+    tfree(kv, 14 * MiB)
+
+
+def test_offload_without_allocator_keeps_its_own_context():
+    m = make_stack(dim=64, depth=2).requires_grad_(False)
+    off = spt.offload(m, budget="4MiB", backend="emu")
+    assert off.context.budget == 4 * MiB
+    off.remove()
+    assert off.context.closed
