@@ -2,7 +2,7 @@
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
-#                     [pytest] [peers] [cost] [offload]   (default: all)
+#                     [pytest] [peers] [cost] [offload] [torchalloc] [ddp]   (default: all)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
-steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload}
+steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload torchalloc ddp}
 has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $* ($(date +%T))"; }
 rc=0
@@ -127,6 +127,34 @@ if has offload; then
     python3 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-} --json "$OUT/torch_offload.json" \
     2>"$OUT/torch_offload.err" | tee "$OUT/torch_offload.txt" || rc=1
   tail -15 "$OUT/torch_offload.err"
+fi
+if has torchalloc; then
+  # spillway.torch.use_allocator: the GPU tests (both modes against the default allocator), then
+  # the acceptance workloads (bench/peers/torch_alloc.py; TORCH_ALLOC_ARGS narrows them)
+  log "pytest tests/gpu/test_torch_alloc_gpu.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 560 \
+    python3 -m pytest -q -s tests/gpu/test_torch_alloc_gpu.py >"$OUT/pytest-torch-alloc.log" 2>&1 || rc=1
+  grep -E "^(train|oom|record|empty|stats|cudnn|compile|graph|offload)|passed|failed|Error" "$OUT/pytest-torch-alloc.log" | cut -c1-600
+  log "bench/peers/torch_alloc.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 560 \
+    python3 bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-} --json "$OUT/torch_alloc.json" \
+    2>"$OUT/torch_alloc.err" | tee "$OUT/torch_alloc.txt" || rc=1
+  tail -15 "$OUT/torch_alloc.err"
+fi
+if has ddp; then
+  # two GPUs: DDP with use_allocator per rank and a budget per device; then the interposer with
+  # per-device budgets on the real devices
+  log "torchrun DDP with use_allocator, budgets ${SPW_DDP_BUDGETS:-0:6GiB;1:3GiB}"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 240 \
+      torchrun --nproc_per_node 2 tests/gpu/ddp_alloc.py >"$OUT/ddp.log" 2>&1 || rc=1
+    grep RESULT "$OUT/ddp.log" || tail -30 "$OUT/ddp.log"
+    log "spillway run --budget '0:3GiB;1:5GiB' on two GPUs"
+    timeout 120 ./build/spillway run --budget "0:3GiB;1:5GiB" -- python3 tests/gpu/run_devices.py >"$OUT/run-devices.log" 2>&1 || rc=1
+    grep RESULT "$OUT/run-devices.log" || tail -30 "$OUT/run-devices.log"
+  else
+    echo "ddp: fewer than two GPUs on this machine: not run"
+  fi
 fi
 log "done rc=$rc"
 exit $rc

@@ -362,6 +362,16 @@ def shared_context(device: Any, backend: str) -> Optional[Context]:
     return context(device)
 
 
+def release_torch_cache(ctx: Context) -> bool:
+    """For offload(): weights cannot become resident in ctx. When ctx is the allocator's, give
+    PyTorch's cached blocks back to spillway (torch.cuda.empty_cache) and return True (retry)."""
+    a = current()
+    if a is None or not a.routed or not isinstance(ctx, _SharedContext):
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 # ---- statistics, named as torch.cuda names them ----
 
 def memory_stats(device: Any = None) -> Dict[str, int]:

@@ -490,6 +490,8 @@ class Offload:
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
         st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+        if st == _lib.Status.ERR_OUT_OF_MEMORY and _alloc.release_torch_cache(self.context):
+            st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
         if st:
             err = error_for(st)
             if isinstance(err, _errors.OutOfMemoryError):
