@@ -414,9 +414,20 @@ def reset_peak_memory_stats(device: Any = None) -> None:
 
 
 def empty_cache() -> None:
-    """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device."""
+    """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device.
+    In global mode the routing is paused around PyTorch's empty_cache, which refuses to run
+    while an allocation pool is being routed to."""
     a = current()
-    if a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if a is not None and a.routed and a.mode == "global":
+        with _lock:
+            for d, pool in a._pools.items():
+                torch._C._cuda_endAllocateToPool(d, pool.id)
+            try:
+                torch.cuda.empty_cache()
+            finally:
+                for d, pool in a._pools.items():
+                    torch._C._cuda_beginAllocateToPool(d, pool.id)
+    elif a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
         torch.cuda.empty_cache()
     _lib_c.spw_torch_reset()
 
