@@ -27,7 +27,7 @@ import time
 
 GiB = 1 << 30
 DEFAULT_BATCH = {"gpt2": 8, "bert": 32, "resnet": 128, "llama": 8}
-LADDER = {"gpt2": [8, 12, 16, 20, 24, 32, 40, 48], "bert": [32, 64, 96, 128, 160, 192, 256],
+LADDER = {"gpt2": [1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48], "bert": [32, 64, 96, 128, 160, 192, 256],
           "resnet": [128, 192, 256, 320, 384, 448, 512], "llama": [8, 16, 32, 48, 64, 96, 128]}
 
 
@@ -39,6 +39,9 @@ def child(workload: str, alloc: str, budget: str, batch: int, steps: int, cap_fr
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    # the same seed must give the same losses run to run for the comparison to mean anything
+    # (CUBLAS_WORKSPACE_CONFIG comes from the parent, before CUDA starts)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     a = None
     if alloc in ("global", "pool"):
         a = spt.use_allocator(budget=budget, mode=alloc)
@@ -170,7 +173,8 @@ def spawn(workload: str, alloc: str, budget: str, batch: int, steps: int, frac: 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, alloc, budget, str(batch), str(steps),
            str(frac)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timeout after {timeout} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

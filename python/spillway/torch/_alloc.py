@@ -368,7 +368,7 @@ def release_torch_cache(ctx: Context) -> bool:
     a = current()
     if a is None or not a.routed or not isinstance(ctx, _SharedContext):
         return False
-    torch.cuda.empty_cache()
+    _torch_empty_cache(a)
     return True
 
 
@@ -386,13 +386,28 @@ def memory_stats(device: Any = None) -> Dict[str, int]:
     return flat
 
 
+def _routed() -> bool:
+    a = current()
+    return a is not None and a.routed
+
+
 def memory_allocated(device: Any = None) -> int:
-    """Device bytes spillway has handed out on device (PyTorch's segments and resident weights)."""
-    return context(device).stats()["live"]["current"]
+    """Device bytes of live tensors and resident offloaded weights on device. While routed, the
+    tensors are PyTorch's own count (its cached free blocks are not allocated, as in
+    torch.cuda.memory_allocated); otherwise everything spillway has handed out."""
+    s = context(device).stats()
+    if _routed():
+        return torch.cuda.memory_allocated(_device_index(device)) + s["resident_bytes"]["current"]
+    return s["live"]["current"]
 
 
 def max_memory_allocated(device: Any = None) -> int:
-    return context(device).stats()["live"]["peak"]
+    """Peak of memory_allocated since the last reset_peak_memory_stats. While routed: PyTorch's
+    peak of tensors plus the peak of offloaded weights (a bound: the two peaks may not coincide)."""
+    s = context(device).stats()
+    if _routed():
+        return torch.cuda.max_memory_allocated(_device_index(device)) + s["resident_bytes"]["peak"]
+    return s["live"]["peak"]
 
 
 def memory_reserved(device: Any = None) -> int:
@@ -418,18 +433,25 @@ def empty_cache() -> None:
     In global mode the routing is paused around PyTorch's empty_cache, which refuses to run
     while an allocation pool is being routed to."""
     a = current()
-    if a is not None and a.routed and a.mode == "global":
-        with _lock:
-            for d, pool in a._pools.items():
-                torch._C._cuda_endAllocateToPool(d, pool.id)
-            try:
-                torch.cuda.empty_cache()
-            finally:
-                for d, pool in a._pools.items():
-                    torch._C._cuda_beginAllocateToPool(d, pool.id)
-    elif a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
-        torch.cuda.empty_cache()
+    if a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        _torch_empty_cache(a)
     _lib_c.spw_torch_reset()
+
+
+def _torch_empty_cache(a: Optional[Allocator]) -> None:
+    """torch.cuda.empty_cache(); in global mode with the routing paused around it (PyTorch
+    refuses to empty its cache while an allocation pool is being routed to)."""
+    if a is None or a.mode != "global" or not a.routed:
+        torch.cuda.empty_cache()
+        return
+    with _lock:
+        for d, pool in a._pools.items():
+            torch._C._cuda_endAllocateToPool(d, pool.id)
+        try:
+            torch.cuda.empty_cache()
+        finally:
+            for d, pool in a._pools.items():
+                torch._C._cuda_beginAllocateToPool(d, pool.id)
 
 
 def memory_summary(device: Any = None) -> str:
