@@ -14,6 +14,14 @@ TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
 steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload torchalloc ddp}
 has() { [[ " $steps " == *" $1 "* ]]; }
+# pyrun NAME SECONDS SCRIPT ARGS...: a Python benchmark against this build, with --json
+# $OUT/NAME.json, stdout to the console and $OUT/NAME.txt, stderr to $OUT/NAME.err (its tail shown)
+pyrun() {
+  local name=$1 secs=$2; shift 2
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout "$secs" \
+    python3 "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" || rc=1
+  tail -15 "$OUT/$name.err"
+}
 log() { echo "=== $* ($(date +%T))"; }
 rc=0
 
@@ -112,9 +120,7 @@ if has pytest; then
 fi
 if has peers; then
   log "bench/peers/torch_stream.py"
-  timeout 300 python3 bench/peers/torch_stream.py --budget 1GiB,2GiB,3GiB --batch 16,4096 \
-    --json "$OUT/torch_stream.json" 2>"$OUT/torch_stream.err" | tee "$OUT/torch_stream.txt" || rc=1
-  tail -5 "$OUT/torch_stream.err"
+  pyrun torch_stream 300 bench/peers/torch_stream.py --budget 1GiB,2GiB,3GiB --batch 16,4096
 fi
 if has cost; then
   log "bench/dev/acquire_cost.py"
@@ -123,10 +129,7 @@ if has cost; then
 fi
 if has offload; then
   log "bench/peers/torch_offload.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 540 \
-    python3 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-} --json "$OUT/torch_offload.json" \
-    2>"$OUT/torch_offload.err" | tee "$OUT/torch_offload.txt" || rc=1
-  tail -15 "$OUT/torch_offload.err"
+  pyrun torch_offload 540 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-}
 fi
 if has torchalloc; then
   # spillway.torch.use_allocator: the GPU tests (both modes against the default allocator), then
@@ -136,10 +139,7 @@ if has torchalloc; then
     python3 -m pytest -q -s tests/gpu/test_torch_alloc_gpu.py >"$OUT/pytest-torch-alloc.log" 2>&1 || rc=1
   grep -E "^(train|oom|record|empty|stats|cudnn|compile|graph|offload)|passed|failed|Error" "$OUT/pytest-torch-alloc.log" | cut -c1-600
   log "bench/peers/torch_alloc.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 560 \
-    python3 bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-} --json "$OUT/torch_alloc.json" \
-    2>"$OUT/torch_alloc.err" | tee "$OUT/torch_alloc.txt" || rc=1
-  tail -15 "$OUT/torch_alloc.err"
+  pyrun torch_alloc 560 bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-}
 fi
 if has ddp; then
   # two GPUs: DDP with use_allocator per rank and a budget per device; then the interposer with

@@ -83,6 +83,21 @@ def timed_steps(torch, step, steps: int):
     return {"losses": losses, "step_s": statistics.median(times[min(5, steps - 1):])}
 
 
+def train_step(torch, opt, loss_fn):
+    """One training step as a function: loss_fn() under bf16 autocast, backward, optimizer step;
+    returns the loss."""
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
 def run_gpt2(torch, batch: int, steps: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -91,16 +106,11 @@ def run_gpt2(torch, batch: int, steps: int) -> dict:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     g = torch.Generator(device="cuda").manual_seed(1)
 
-    def step():
+    def loss():
         ids = torch.randint(0, 50257, (batch, 1024), device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return m(input_ids=ids, labels=ids).loss
 
-    return timed_steps(torch, step, steps)
+    return timed_steps(torch, train_step(torch, opt, loss), steps)
 
 
 def run_bert(torch, batch: int, steps: int) -> dict:
@@ -113,17 +123,11 @@ def run_bert(torch, batch: int, steps: int) -> dict:
     lengths = torch.randint(32, 513, (steps,), generator=torch.Generator().manual_seed(2)).tolist()
     it = iter(lengths)
 
-    def step():
-        n = next(it)
-        ids = torch.randint(0, 30522, (batch, n), device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+    def loss():
+        ids = torch.randint(0, 30522, (batch, next(it)), device="cuda", generator=g)
+        return m(input_ids=ids, labels=ids).loss
 
-    return timed_steps(torch, step, steps)
+    return timed_steps(torch, train_step(torch, opt, loss), steps)
 
 
 def run_resnet(torch, batch: int, steps: int) -> dict:
@@ -134,17 +138,12 @@ def run_resnet(torch, batch: int, steps: int) -> dict:
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator(device="cuda").manual_seed(1)
 
-    def step():
+    def loss():
         x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)
         y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return torch.nn.functional.cross_entropy(m(x), y)
 
-    return timed_steps(torch, step, steps)
+    return timed_steps(torch, train_step(torch, opt, loss), steps)
 
 
 def run_llama(torch, batch: int, steps: int) -> dict:

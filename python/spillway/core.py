@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional, Union
 
 from . import _lib
 from ._lib import ACCESS_READ, ACCESS_READ_WRITE, ACCESS_WRITE, STAT_NAMES, lib
-from .errors import ConfigError, InvalidArgument, StateError, check, error_for
+from .errors import ConfigError, Error, InvalidArgument, StateError, check, error_for
 
 Size = Union[int, str]
 #: A stream: None (the default stream), a Stream, an int address (cudaStream_t), or any object
@@ -50,6 +50,22 @@ def parse_size(size: Size) -> int:
     out = ctypes.c_size_t()
     check(lib.spw_parse_size(size.encode(), ctypes.byref(out)))
     return out.value
+
+
+def parse_budget(budget: Any, who: str) -> Union[int, str]:
+    """A budget as bytes, or "N%" (of the device, resolved by the library). `who` names the
+    caller in the ConfigError raised for anything else (bool, float, negative or zero, bad text)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ConfigError(f"{who}: a budget is bytes (int) or a size string such as '6GiB', got {budget!r}")
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        return budget.strip()
+    try:
+        value = parse_size(budget)
+    except Error as e:
+        raise ConfigError(f"{who}: bad budget {budget!r}: {e.message}") from None
+    if value <= 0:
+        raise ConfigError(f"{who}: a budget must be positive, got {budget!r}")
+    return value
 
 
 def format_size(n: int) -> str:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from .. import _lib
-from ..core import Context, _option_text, format_size, parse_size
+from ..core import Context, _option_text, format_size, parse_budget
 from ..errors import ConfigError, InvalidArgument, StateError, check
 from .. import errors as _errors
 
@@ -85,17 +85,7 @@ def _budget_text(budget: Any) -> Optional[str]:
 
 
 def _size_text(size: Any) -> str:
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise ConfigError(f"use_allocator: a budget is bytes (int) or a size string such as '6GiB', got {size!r}")
-    if isinstance(size, str) and size.strip().endswith("%"):
-        return size.strip()
-    try:
-        n = parse_size(size)
-    except _errors.Error as e:
-        raise ConfigError(f"use_allocator: bad budget {size!r}: {e.message}") from None
-    if n <= 0:
-        raise ConfigError(f"use_allocator: a budget must be positive, got {size!r}")
-    return str(n)
+    return str(parse_budget(size, "use_allocator"))
 
 
 def _conf_text(budget: Any, options: Dict[str, Any]) -> str:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context, format_size, parse_size
+from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
@@ -183,19 +183,6 @@ def _default_blocks(module: nn.Module) -> List[nn.Module]:
     return out
 
 
-def _parse_budget(budget: Any) -> Union[int, str]:
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise ConfigError(f"offload: budget must be bytes (int) or a size string such as '4GiB', got {budget!r}")
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        return budget.strip()
-    try:
-        value = parse_size(budget)
-    except _errors.Error as e:
-        raise ConfigError(f"offload: bad budget {budget!r}: {e.message}") from None
-    if value <= 0:
-        raise ConfigError(f"offload: budget must be positive, got {budget!r}")
-    return value
-
 
 class Offload:
     """Handle returned by offload(): statistics, explicit steps, and remove()."""
@@ -221,7 +208,7 @@ class Offload:
                 "offload: offload_trainable=True is not supported: trainable parameters need a stable device "
                 "tensor for their gradients and the optimizer; freeze them (requires_grad_(False)) to offload "
                 "them, or leave them trainable and they stay resident")
-        budget_v = _parse_budget(budget)
+        budget_v = parse_budget(budget, "offload")
 
         backend = options.pop("backend", "auto")
         if backend == "auto":
