@@ -36,7 +36,6 @@ How it works, and the contracts it keeps:
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import time
@@ -51,9 +50,9 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
+from ._units import _CudaMemory, _Entry, _Saved, _Unit, _align, _default_blocks, _module_names
 
 _lib_c = _lib.lib
-_ALIGN = 256
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 _VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
@@ -76,112 +75,6 @@ def _active(module: nn.Module) -> bool:
     ref = _ACTIVE.get(module)
     off = ref() if ref is not None else None
     return off is not None and not off._closed
-
-
-def _align(n: int, a: int = _ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-class _CudaMemory:
-    """A device range exposed through __cuda_array_interface__ (version 2, no stream key):
-    torch.as_tensor wraps it without a copy, without reading a stream and without syncing."""
-
-    __slots__ = ("__cuda_array_interface__",)
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 2,
-        }
-
-
-class _Entry:
-    """One offloaded tensor: where it lives in its unit and how to restore it."""
-
-    __slots__ = ("tensor", "name", "offset", "nbytes", "dtype", "shape", "orig_stride", "orig_device",
-                 "is_buffer", "host_view")
-
-    def __init__(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> None:
-        self.tensor = tensor
-        self.name = name
-        self.offset = 0
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
-        self.orig_stride = tuple(tensor.stride())
-        self.orig_device = tensor.device
-        self.is_buffer = is_buffer
-        self.host_view: Optional[torch.Tensor] = None
-
-
-class _Unit:
-    """One spillway buffer holding the packed tensors of a block or module."""
-
-    def __init__(self, name: str, index: int) -> None:
-        self.name = name
-        self.index = index
-        self.entries: List[_Entry] = []
-        self.buffer_entries: List[_Entry] = []  # non-parameters: checked for in-place writes
-        self.nbytes = 0
-        self.pack: Optional[torch.Tensor] = None
-        self.buf: Any = None  # spillway Buffer
-        self.handle: int = 0  # its spw_buf *
-        self.refs = 0
-        self.stream: Optional[int] = None
-        self.devptr = 0
-        self.versions: List[Tuple[_Entry, int]] = []
-        self.views: "collections.OrderedDict[int, Tuple[torch.Tensor, List[torch.Tensor]]]" = collections.OrderedDict()
-
-    def add(self, entry: _Entry) -> None:
-        entry.offset = _align(self.nbytes)
-        self.nbytes = entry.offset + entry.nbytes
-        self.entries.append(entry)
-        if entry.is_buffer:
-            self.buffer_entries.append(entry)
-
-
-class _Saved:
-    """A tensor saved for backward that lay inside an acquired unit: enough to rebuild it."""
-
-    __slots__ = ("unit", "offset", "span", "dtype", "size", "stride")
-
-    def __init__(self, unit: _Unit, offset: int, t: torch.Tensor) -> None:
-        self.unit = unit
-        self.offset = offset
-        self.dtype = t.dtype
-        self.size = tuple(t.size())
-        self.stride = tuple(t.stride())
-        last = sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1 if t.numel() else 0
-        self.span = last * t.element_size()
-
-
-def _module_names(module: nn.Module) -> Dict[int, str]:
-    return {id(m): (n or type(module).__name__) for n, m in module.named_modules(remove_duplicate=False)}
-
-
-def _default_blocks(module: nn.Module) -> List[nn.Module]:
-    """The children of the largest nn.ModuleList/nn.Sequential, by parameter and buffer bytes."""
-    best: Optional[nn.Module] = None
-    best_key = (0, 0)
-    for m in module.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
-            nbytes = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-            key = (nbytes, len(m))
-            if key > best_key:
-                best, best_key = m, key
-    if best is None:
-        return []
-    seen: set = set()
-    out = []
-    for child in best.children():
-        if id(child) not in seen:
-            seen.add(id(child))
-            out.append(child)
-    return out
-
 
 
 class Offload:
