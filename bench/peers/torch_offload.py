@@ -790,6 +790,8 @@ def run_child(cfg, workload, name):
             dnote = note
             if accel:
                 dnote = (dnote + "; " if dnote else "") + f"decode timed on {n} tokens (not {cfg.tokens})"
+            if ok is None and eq:  # only the warm-up's tokens could be held to the reference
+                r["equal_scope"] = f"the first {warm} tokens"
             rows.append(dict(r, workload="b", phase=f"decode {c['batch']}x{cfg.tokens}", variant=name,
                              note=dnote, gpu_weight_bytes=v.gpu_weight_bytes))
             log(f"b/{name} decode: {r['tok_s']:.1f} tok/s over {n} tokens, equal {eq} "
@@ -866,7 +868,8 @@ def print_tables(rows, link_gbps, cfg_of):
                 r["gpu_weight_bytes"] = r["spillway"].get("held_peak")  # its peak held bytes
             result = ("reference" if r["variant"] == "resident" else
                       "no reference" if r.get("equal") is None else
-                      "bitwise equal" if r["equal"] else "DIFFERS")
+                      "DIFFERS" if not r["equal"] else
+                      f"bitwise equal on {r['equal_scope']}" if r.get("equal_scope") else "bitwise equal")
             hook_s = fmt(hook, ".1f") + ("!" if hook is not None and hook > 30 else "")
             if r["variant"].startswith("spillway") and hook is None:
                 hook_s = "n/a"
