@@ -195,14 +195,6 @@ static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int f
     return spw__res_evict_buf(ctx, v, false);
 }
 
-/* At the budget, a request that no cached block fits is served by trimming cached memory, and a
- * trim waits on the host for the streams that last used it (spw__arena_trim): the caller's whole
- * queue of work drains, and the pipeline with it. A victim's block is reused in stream order
- * instead, so while the policy has one, evicting it is the better price. */
-static bool would_trim(const spw_ctx *ctx, const spw_arena *a, size_t need) {
-    return ctx->stats.held.current + (int64_t)need > (int64_t)ctx->budget && spw__arena_largest_free(a) < need;
-}
-
 /* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
  * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
  * without a message when nothing more can be evicted. */
@@ -211,7 +203,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
     if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
     size_t need = SPW_ALIGN_UP(bytes, 512);
     for (;;) {
-        if (!tried && (!may_evict || (obtainable(ctx) >= need && !would_trim(ctx, a, need)))) {
+        if (!tried && (obtainable(ctx) >= need || !may_evict)) {
             spw_status st = spw__ctx_alloc_block(ctx, a, bytes, s, out);
             if (st != SPW_ERR_OUT_OF_MEMORY) return st;
         }

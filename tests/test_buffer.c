@@ -305,41 +305,6 @@ static void test_host_pool(void **state) {
 
 /* Managed residency: same API, budget charged while resident; refused without concurrent
  * managed access with a message naming residency=explicit. */
-/* Buffers of mixed sizes under a full budget (decoder layers and a smaller embedding, say): a
- * demand load that no cached block fits evicts another victim, whose block is reused in stream
- * order, rather than trimming cached memory, which waits on the host for the streams (the
- * caller's queue of work drains). No engine synchronization in steady state; data intact. */
-static void test_no_host_wait_at_the_budget(void **state) {
-    (void)state;
-    TEST_REQUIRE_EMU();
-    spw_ctx *ctx = test_ctx("budget=24MiB,grow_ahead=0,policy=lru");
-    enum { N = 8 };
-    size_t sz[N] = {3 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 3 * MiB};
-    spw_buf *b[N];
-    for (int i = 0; i < N; i++) {
-        assert_ok(spw_buf_create(ctx, sz[i], 0, &b[i]));
-        fill_buf(b[i], (uint8_t)(i + 1));
-    }
-    kfill kf[N];
-    unsigned long syncs = 0;
-    for (int step = 0; step < 6; step++) {
-        unsigned long s0 = spw__emu_calls(ctx->backend, SPW_CALL_STREAM_SYNC);
-        for (int i = 0; i < N; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
-            kf[i] = (kfill){d, sz[i], 1};
-            assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf[i]));
-            assert_ok(spw_release(b[i], NULL));
-            assert_held_ok(ctx);
-        }
-        if (step >= 2) syncs += spw__emu_calls(ctx->backend, SPW_CALL_STREAM_SYNC) - s0;
-        assert_ok(spw_stream_synchronize(ctx, NULL)); /* kf is reused by the next step */
-    }
-    assert_int_equal(syncs, 0);
-    for (int i = 0; i < N; i++) check_contents(b[i], (uint8_t)(i + 1 + 6));
-    spw_ctx_destroy(ctx);
-}
-
 static void test_managed(void **state) {
     (void)state;
     spw_ctx *ctx = test_ctx("budget=4MiB,residency=managed,grow_ahead=0");
@@ -773,7 +738,6 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
-        cmocka_unit_test(test_no_host_wait_at_the_budget),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
         cmocka_unit_test(test_destroy_failure_keeps_buffer),
         cmocka_unit_test(test_bad_input),
