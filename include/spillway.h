@@ -272,7 +272,9 @@ SPW_API spw_status spw_torch_configure(const char *conf);
 /* alloc_fn: size bytes on device for use on stream. NULL when it cannot be satisfied under the
  * device's budget (after releasing cache and evicting unpinned buffers), when size is 0, or on
  * a bad device; the reason is this thread's spw_last_error(), and for a refusal under the budget
- * also spw_torch_oom_message(device) (readable from any thread). Never blocks on the device. */
+ * also spw_torch_oom_message(device) (readable from any thread). The host waits for the device
+ * only at the budget, when cached memory is released (the streams that used it are synchronized
+ * first); otherwise never. */
 SPW_API void *spw_torch_alloc(size_t size, int device, spw_stream stream);
 /* free_fn: ptr from spw_torch_alloc(size, device, ...), whose last use is ordered on stream (the
  * allocation's stream, as PyTorch passes it). Streams named by spw_torch_record_stream are waited
