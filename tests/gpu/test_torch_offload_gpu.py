@@ -24,22 +24,13 @@ import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import greedy, make_decoder, make_stack  # noqa: E402
+from models import frozen, greedy, make_decoder, make_stack, same  # noqa: E402
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device())
 CUDA = dict(backend="cuda")
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
-
-def frozen(m: nn.Module) -> nn.Module:
-    return m.requires_grad_(False)
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 @pytest.fixture(autouse=True)

@@ -110,3 +110,15 @@ def greedy(model, ids: torch.Tensor, steps: int):
         pos += 1
         tok = logits[:, -1:].argmax(-1)
     return out
+
+
+def frozen(m: nn.Module) -> nn.Module:
+    """m with every parameter frozen (what offload moves), returned for chaining."""
+    return m.requires_grad_(False)
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of two outputs: tensors, or nested tuples/lists of them."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))

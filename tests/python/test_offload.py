@@ -12,20 +12,11 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import Layer, greedy, make_decoder, make_stack
+from models import frozen, greedy, make_decoder, make_stack, same
 
 MiB = 1 << 20
 EMU = dict(backend="emu")
 
-
-def frozen(m: nn.Module) -> nn.Module:
-    return m.requires_grad_(False)
-
-
-def same_outputs(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    return len(a) == len(b) and all(same_outputs(x, y) for x, y in zip(a, b))
 
 
 def snapshot(m: nn.Module):
@@ -69,7 +60,7 @@ def test_decoder_kv_cache_loop_equal_and_tied():
     with torch.no_grad():
         got = greedy(m, ids, 6)
         want = greedy(ref, ids, 6)
-    assert same_outputs(got, want)
+    assert same(got, want)
     st = off.stats()
     assert st["offload"]["steps"] == 7  # one per forward, the sequence length changing
     assert st["evictions_clean"]["total"] > 0 and st["bytes_d2h"]["total"] == 0
