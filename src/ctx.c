@@ -271,6 +271,13 @@ SPW_API spw_status spw_free(spw_ctx *ctx, void *ptr, spw_stream stream) {
     return SPW_OK;
 }
 
+/* Return every cached block of both arenas to the backend. Context lock held. */
+static spw_status trim_cache(spw_ctx *ctx) {
+    size_t got;
+    spw_status st = spw__arena_trim(ctx->small, SIZE_MAX, &got);
+    return st ? st : spw__arena_trim(ctx->large, SIZE_MAX, &got);
+}
+
 bool spw__ctx_live_requested(spw_ctx *ctx, const void *ptr, size_t *requested) {
     pthread_mutex_lock(&ctx->lock);
     spw_live *e = NULL;
@@ -287,13 +294,8 @@ spw_status spw__ctx_set_budget(spw_ctx *ctx, size_t bytes) {
     pthread_mutex_lock(&ctx->lock);
     ctx->budget = bytes;
     ctx->stats.budget = bytes;
-    size_t got;
-    spw_status st = SPW_OK;
-    if ((size_t)ctx->stats.held.current > bytes) {
-        /* give back cached memory now; live bytes above the new budget stay until freed */
-        st = spw__arena_trim(ctx->small, SIZE_MAX, &got);
-        if (!st) st = spw__arena_trim(ctx->large, SIZE_MAX, &got);
-    }
+    /* give back cached memory now; live bytes above the new budget stay until freed */
+    spw_status st = (size_t)ctx->stats.held.current > bytes ? trim_cache(ctx) : SPW_OK;
     pthread_mutex_unlock(&ctx->lock);
     return st;
 }
@@ -301,9 +303,7 @@ spw_status spw__ctx_set_budget(spw_ctx *ctx, size_t bytes) {
 SPW_API spw_status spw_empty_cache(spw_ctx *ctx) {
     if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_empty_cache: context is NULL");
     pthread_mutex_lock(&ctx->lock);
-    size_t got;
-    spw_status st = spw__arena_trim(ctx->small, SIZE_MAX, &got);
-    if (!st) st = spw__arena_trim(ctx->large, SIZE_MAX, &got);
+    spw_status st = trim_cache(ctx);
     pthread_mutex_unlock(&ctx->lock);
     return st;
 }
