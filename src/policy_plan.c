@@ -200,9 +200,6 @@ static void plan_on_destroy(spw_policy *p, spw_buf *b) {
 
 /* ---- steps ---- */
 
-/* prefetch_early=auto: every step of a trial but its first that followed its plan to the end is
- * timed, from its step_begin to the next one (the caller's own wait for the step included); after
- * the last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
 /* Uploads so far (what the simulation below counts; write-backs are the same in every pipeline). */
 static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stats.bytes_h2d.total; }
 
@@ -219,6 +216,9 @@ static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
     return e > 0 ? e : (double)timed;
 }
 
+/* prefetch_early=auto: every step of a trial but its first that followed its plan to the end is
+ * timed, from its step_begin to the next one (the caller's own wait for the step included); after
+ * the last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
     if (p->trial_step++ > 0) { /* the first step of a trial settles the change of resident set */
