@@ -36,6 +36,13 @@ void spw__copy_streams_destroy(spw_ctx *ctx) {
 }
 
 spw_status spw__copy_record_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
+    if (b->host_in_dev) { /* ev_dev's record is also the host copy's: ev_host takes it over */
+        spw_event t = b->ev_host;
+        b->ev_host = b->ev_dev;
+        b->ev_dev = t;
+        b->host_rec = true;
+        b->host_in_dev = false;
+    }
     b->dev_waited = false;
     return OPS(ctx)->event_record(BE(ctx), b->ev_dev, s);
 }
@@ -59,6 +66,7 @@ spw_status spw__copy_order_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
 static spw_status order_host(spw_ctx *ctx, spw_buf *b, spw_stream s) {
     struct spw_engine *e = ctx->engine;
     spw_status st;
+    if (b->host_in_dev && b->host_s != s && (st = spw__copy_order_dev(ctx, b, s))) return st;
     if (b->host_rec && b->host_s != s && (st = OPS(ctx)->stream_wait(BE(ctx), s, b->ev_host))) return st;
     unsigned other = s == e->h2d ? SPW_UNTRACKED_D2H : SPW_UNTRACKED_H2D;
     if (b->untracked & other) {
@@ -108,14 +116,16 @@ spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n
     /* h2d now follows every touch of the device copy (order_dev) */
     b->dev_s = e->h2d;
     b->dev_rec = false;
-    if ((st = OPS(ctx)->event_record(BE(ctx), b->ev_host, e->h2d))) {
+    if ((st = spw__copy_record_dev(ctx, b, e->h2d))) {
         b->untracked |= SPW_UNTRACKED_H2D; /* the copy still reads the host copy */
         return st;
     }
-    b->host_s = e->h2d;
-    b->host_rec = true;
-    if ((st = spw__copy_record_dev(ctx, b, e->h2d))) return st;
+    /* one record marks both: the copy's end on h2d is the device copy's latest touch and the
+     * host copy's last transfer */
     b->dev_rec = true;
+    b->host_s = e->h2d;
+    b->host_rec = false;
+    b->host_in_dev = true;
     b->xfer = true;
     spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)n);
     return SPW_OK;
@@ -166,6 +176,7 @@ void spw__copy_host_wait_collect(spw_ctx *ctx, spw_buf *b, bool include_dev, spw
     struct spw_engine *e = ctx->engine;
     w->nev = w->nsync = 0;
     if (b->host_rec) w->ev[w->nev++] = b->ev_host;
+    if (b->host_in_dev) w->ev[w->nev++] = b->ev_dev;
     if (b->untracked & SPW_UNTRACKED_H2D) w->sync[w->nsync++] = e->h2d;
     if (b->untracked & SPW_UNTRACKED_D2H) w->sync[w->nsync++] = e->d2h;
     if (include_dev && b->managed) {

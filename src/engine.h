@@ -18,6 +18,9 @@
  *   event_record after a successful enqueue); host code then synchronizes that stream.
  * Every record of ev_dev goes through spw__copy_record_dev, which forgets the one stream known to
  * wait on the previous record (a second wait on the same record would be a wasted call).
+ * An upload marks both copies at one point of the H2D stream, so it records ev_dev alone and
+ * sets `host_in_dev`; the next record of ev_dev swaps the two event handles first (no call), so
+ * ev_host keeps the upload's record. One event record per transfer, as a hand-written loop.
  * Consequence: two streams using one buffer at once are chained at release (the second
  * release waits for the first's use). Correct, at the price of a false dependency in that case.
  *
@@ -79,6 +82,9 @@ struct spw_buf {
     spw_event ev_dev, ev_host; /* created at buffer creation */
     spw_stream dev_s, host_s;
     bool dev_rec, host_rec;
+    bool host_in_dev;      /* the host copy's last transfer is ev_dev's current record (an upload
+                            * records ev_dev alone; the next record of ev_dev first swaps the two
+                            * events, so ev_host then holds it) */
     bool dev_waited;       /* dev_waiter already waits on the current record of ev_dev */
     spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */

@@ -198,6 +198,57 @@ static void test_nested_and_streams(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* A streamed buffer's cycle (upload, acquire and release on a caller's stream, eviction) costs
+ * what a hand-written double buffer costs: one copy, one event record per transfer and per
+ * release, one stream wait each way. The upload's record serves the host copy too: a host read
+ * right after an upload on a slow link still waits for it. */
+static void test_streaming_calls(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=8MiB,policy=lru,emu_link_gbps=2");
+    spw_stream s;
+    assert_ok(spw_stream_create(ctx, &s));
+    spw_buf *b[3];
+    for (int i = 0; i < 3; i++) {
+        assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b[i]));
+        fill_buf(b[i], (uint8_t)(10 + i));
+    }
+    spw_backend *be = ctx->backend;
+    static const spw_call counted[] = {SPW_CALL_MEMCPY, SPW_CALL_EVENT_RECORD, SPW_CALL_STREAM_WAIT,
+                                       SPW_CALL_EVENT_SYNC, SPW_CALL_STREAM_SYNC};
+    static const unsigned long want[] = {1, 2, 2, 0, 0};
+    unsigned long before[5];
+    for (int round = 0; round < 4; round++) {
+        for (int i = 0; i < 3; i++) {
+            for (int c = 0; c < 5; c++) before[c] = spw__emu_calls(be, counted[c]);
+            void *d;
+            assert_ok(spw_acquire(b[i], s, SPW_ACCESS_READ, &d));
+            assert_ok(spw_release(b[i], s));
+            if (round == 0) continue; /* the first round fills the device */
+            for (int c = 0; c < 5; c++)
+                if (spw__emu_calls(be, counted[c]) - before[c] != want[c])
+                    fail_msg("round %d buffer %d: %lu %s calls, want %lu", round, i,
+                             spw__emu_calls(be, counted[c]) - before[c], spw__call_name(counted[c]), want[c]);
+            assert_ok(spw_stream_synchronize(ctx, s));
+            for (size_t k = 0; k < 4 * MiB; k += 4099)
+                if (((uint8_t *)d)[k] != 10 + i) fail_msg("round %d buffer %d: device byte %zu wrong", round, i, k);
+        }
+    }
+    /* evicted and uploaded again with nothing recorded since: the host waits on the upload */
+    assert_ok(spw_evict(b[0]));
+    assert_ok(spw_prefetch(b[0], s));
+    check_contents(b[0], 10);
+    fill_buf(b[0], 77); /* the host copy is rewritten while resident: the device copy follows */
+    void *d;
+    assert_ok(spw_acquire(b[0], s, SPW_ACCESS_READ, &d));
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_int_equal(((uint8_t *)d)[4 * MiB - 1], 77);
+    assert_ok(spw_release(b[0], s));
+    for (int i = 0; i < 3; i++) assert_ok(spw_buf_destroy(b[i]));
+    assert_ok(spw_stream_destroy(ctx, s));
+    spw_ctx_destroy(ctx);
+}
+
 /* LRU eviction under pressure, the budget after every operation, everything acquired -> OOM
  * naming the pinned bytes, on_exhaust=fail, spw_malloc evicting buffers. */
 static void test_pressure(void **state) {
@@ -737,6 +788,7 @@ static void test_options_stats_trace(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
+        cmocka_unit_test(test_streaming_calls),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
         cmocka_unit_test(test_destroy_failure_keeps_buffer),
