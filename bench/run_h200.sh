@@ -106,7 +106,8 @@ print(f"budget {sys.argv[2]:>4} batch {sys.argv[3]:>4}: lru {lru['pass_ms']:.2f}
       f" | plan {plan['pass_ms']:.2f} ms {plan['bytes_per_pass']/2**20:.0f} MiB bitwise {plan['bitwise_equal']}"
       f" | split {split.get('pass_ms', 0):.2f} ms {split.get('bytes_per_pass', 0)/2**20:.0f} MiB k={split.get('resident_layers')} {split.get('placement')}"
       f" | plan/split {d.get('plan_over_static_split', float('nan')):.3f}"
-      f" | plan per pass {[round(x, 1) for x in plan['per_pass_ms']]}")
+      f" | plan per pass {[round(x, 2) for x in plan['per_pass_ms']]}"
+      f" | split per pass {[round(x, 2) for x in split.get('per_pass_ms', [])]}")
 print("   ", plan.get("policy_state"))
 PY
     done

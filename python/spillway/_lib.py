@@ -26,6 +26,7 @@ STAT_NAMES = (
     "backend_allocs",
     "backend_frees",
     "cross_stream_waits",
+    "trim_syncs",
     "ooms",
     "bytes_h2d",
     "bytes_d2h",
