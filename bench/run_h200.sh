@@ -2,7 +2,7 @@
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
-#                     [pytest] [peers] [cost] [offload] [torchalloc] [ddp]   (default: all)
+#                     [pytest] [peers] [cost] [offload] [pytest-alloc] [torchalloc] [ddp]   (default: all)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-../shared/traces}
 [ -d "$TRACES" ] || TRACES=shared/traces
-steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload torchalloc ddp}
+steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload pytest-alloc torchalloc ddp}
 has() { [[ " $steps " == *" $1 "* ]]; }
 # pyrun NAME SECONDS SCRIPT ARGS...: a Python benchmark against this build, with --json
 # $OUT/NAME.json, stdout to the console and $OUT/NAME.txt, stderr to $OUT/NAME.err (its tail shown)
@@ -132,15 +132,20 @@ if has offload; then
   log "bench/peers/torch_offload.py"
   pyrun torch_offload 540 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-}
 fi
-if has torchalloc; then
-  # spillway.torch.use_allocator: the GPU tests (both modes against the default allocator), then
-  # the acceptance workloads (bench/peers/torch_alloc.py; TORCH_ALLOC_ARGS narrows them)
+if has pytest-alloc; then
+  # spillway.torch.use_allocator against the default allocator, both modes: four processes at
+  # once (tests/gpu/torch_alloc_cases.py), about 60-120 s
   log "pytest tests/gpu/test_torch_alloc_gpu.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 560 \
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 200 \
     python3 -m pytest -q -s tests/gpu/test_torch_alloc_gpu.py >"$OUT/pytest-torch-alloc.log" 2>&1 || rc=1
-  grep -E "^(train|oom|record|empty|stats|cudnn|compile|graph|offload)|passed|failed|Error" "$OUT/pytest-torch-alloc.log" | cut -c1-600
+  grep -E "^(default|global|pool|kv):|^  [a-z_]+ (default|global|pool|kv):|passed|failed|Error" \
+    "$OUT/pytest-torch-alloc.log" | cut -c1-600
+fi
+if has torchalloc; then
+  # the acceptance workloads (bench/peers/torch_alloc.py, about 200-250 s; TORCH_ALLOC_ARGS
+  # narrows them, e.g. "--workloads gpt2 --steps 20")
   log "bench/peers/torch_alloc.py"
-  pyrun torch_alloc 560 bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-}
+  pyrun torch_alloc 300 bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-}
 fi
 if has ddp; then
   # two GPUs: DDP with use_allocator per rank and a budget per device; then the interposer with

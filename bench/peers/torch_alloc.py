@@ -1,23 +1,37 @@
 """spillway.torch.use_allocator against PyTorch's default caching allocator, on the acceptance
 workloads (random weights from configs; nothing is downloaded):
 
-  gpt2    HF GPT-2 medium training, batch 8 x 1024, bf16 autocast, AdamW, 50 steps
+  gpt2    HF GPT-2 medium training, batch 8 x 1024, bf16 autocast, AdamW
   bert    HF BERT-base masked-LM training, batch 32, a random length in 32..512 each step
-  resnet  torchvision ResNet-50 training, batch 128, 224x224 (skipped, and said so, without torchvision)
+  resnet  ResNet-50 training, batch 128, 224x224, SGD with momentum (torchvision's when importable,
+          otherwise the same network written here: bottleneck blocks [3, 4, 6, 3], BatchNorm)
   llama   greedy generation, Llama-shaped (2048 hidden, 16 layers, fp16), batch 8, 128 + 256 tokens
 
-Each (workload, allocator) runs in its own process: default | global | pool. Printed per row:
-loss (or tokens) equal to the default allocator's, the peak device memory held by spillway vs
-PyTorch's max_memory_reserved under the default allocator, and the median step time ratio.
-Then, under a cap C (--cap), the largest batch that trains with use_allocator(budget=C) against
-the largest with torch.cuda.set_per_process_memory_fraction(C / total) (3 steps each).
+Each (workload, allocator) runs in its own process: default | global | pool, with deterministic
+kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG set before CUDA starts).
+The default process runs the workload a second time from the same seed: "default repeats" says
+whether the comparison can mean anything. Per row: losses (tokens) equal to the default's,
+spillway's peak held bytes against PyTorch's max_memory_reserved under the default allocator, and
+the median step time against the default's.
 
-    SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/peers/torch_alloc.py \
-        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--cap 24GiB] [--json out.json]
+Then the cap search: for each workload a cap C = static + 0.5 x (default reserved - static), with
+static the parameter bytes (x4 with AdamW: parameters, gradients, two moments; x3 with SGD and
+momentum; x1 for generation), so that the smallest batch of the ladder fits under C. Under C, the
+largest batch of the ladder that runs --cap-steps steps with use_allocator(budget=C) against the
+largest with torch.cuda.set_per_process_memory_fraction(C / total); one process per (workload,
+allocator), ascending the ladder with the model built once, the cache emptied between batches.
+These processes run at the same time (their caps fit the device together); they time nothing.
+
+    SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/peers/torch_alloc.py \\
+        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--cap-steps 2] [--no-cap] [--json out.json]
+
+--smoke runs the default allocator on the CPU with tiny models and 3 steps (a check of this script,
+not a measurement); workloads that need transformers are skipped there when it is missing.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -26,226 +40,394 @@ import sys
 import time
 
 GiB = 1 << 30
+MiB = 1 << 20
 DEFAULT_BATCH = {"gpt2": 8, "bert": 32, "resnet": 128, "llama": 8}
-LADDER = {"gpt2": [1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48], "bert": [32, 64, 96, 128, 160, 192, 256],
-          "resnet": [128, 192, 256, 320, 384, 448, 512], "llama": [8, 16, 32, 48, 64, 96, 128]}
+LADDER = {"gpt2": [1, 2, 3, 4, 5, 6, 7, 8, 10, 12], "bert": [4, 8, 12, 16, 20, 24, 28, 32, 40, 48],
+          "resnet": [8, 16, 32, 48, 64, 80, 96, 112, 128, 160], "llama": [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]}
+STATIC_FACTOR = {"gpt2": 4, "bert": 4, "resnet": 3, "llama": 1}
+NEEDS_TRANSFORMERS = ("gpt2", "bert", "llama")
 
 
-# ---------------------------------------------------------------- child: one run
-def child(workload: str, alloc: str, budget: str, batch: int, steps: int, cap_fraction: float) -> dict:
+# ---------------------------------------------------------------- the workloads
+class Workload:
+    """build() makes the model and optimizer from a fixed seed; step(batch) runs one step and
+    returns its loss (generation: a digest of the tokens)."""
+
+    def __init__(self, torch, name: str, dev, smoke: bool) -> None:
+        self.torch, self.name, self.dev, self.smoke = torch, name, dev, smoke
+        self.param_bytes = 0
+
+    def _make(self, fn):
+        torch = self.torch
+        torch.manual_seed(0)
+        if self.dev.type == "cuda" and hasattr(torch.device, "__enter__"):
+            with torch.device(self.dev):  # initialise on the device: seconds, not tens of seconds
+                m = fn()
+        else:
+            m = fn().to(self.dev)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+        return m
+
+    def build(self) -> None:
+        torch, dev = self.torch, self.dev
+        g = torch.Generator(device=dev).manual_seed(1)
+        if self.name == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64) if self.smoke else \
+                GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)
+            m = self._make(lambda: GPT2LMHeadModel(cfg)).train()
+            seq = cfg.n_positions
+
+            def loss(b):
+                ids = torch.randint(0, cfg.vocab_size, (b, seq), device=dev, generator=g)
+                return m(input_ids=ids, labels=ids).loss
+            self._train(m, torch.optim.AdamW(m.parameters(), lr=1e-4), loss)
+        elif self.name == "bert":
+            from transformers import BertConfig, BertForMaskedLM
+
+            cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) \
+                if self.smoke else BertConfig()
+            m = self._make(lambda: BertForMaskedLM(cfg)).train()
+            lengths = torch.Generator().manual_seed(2)
+            hi = 64 if self.smoke else 512
+
+            def loss(b):
+                n = int(torch.randint(32, hi + 1, (1,), generator=lengths))
+                ids = torch.randint(0, cfg.vocab_size, (b, n), device=dev, generator=g)
+                return m(input_ids=ids, labels=ids).loss
+            self._train(m, torch.optim.AdamW(m.parameters(), lr=1e-4), loss)
+        elif self.name == "resnet":
+            m = self._make(resnet50).train()
+            side = 64 if self.smoke else 224
+
+            def loss(b):
+                x = torch.randn(b, 3, side, side, device=dev, generator=g)
+                y = torch.randint(0, 1000, (b,), device=dev, generator=g)
+                return torch.nn.functional.cross_entropy(m(x), y)
+            self._train(m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), loss)
+        elif self.name == "llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512) if self.smoke else \
+                LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                            num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+            dtype = torch.float32 if self.dev.type == "cpu" else torch.float16
+            m = self._make(lambda: LlamaForCausalLM(cfg).to(dtype)).eval()
+            prompt, new = (8, 8) if self.smoke else (128, 256)
+            self.tokens_per_step = new
+
+            def step(b):
+                ids = torch.randint(0, cfg.vocab_size, (b, prompt), device=dev, generator=g)
+                with torch.no_grad():
+                    toks = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+                return hashlib.sha1(json.dumps(toks.tolist()).encode()).hexdigest()[:16]
+            self.step = step
+        else:
+            raise SystemExit(f"unknown workload {self.name}")
+
+    def _train(self, m, opt, loss_fn) -> None:
+        torch = self.torch
+
+        def step(b):
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16):
+                loss = loss_fn(b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss.item()
+        self.step = step
+
+
+def resnet50():
+    """ResNet-50 as torchvision builds it (bottleneck blocks [3, 4, 6, 3], stride on the 3x3
+    convolution), torchvision's own when importable."""
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None)
+    except ImportError:
+        pass
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, inp: int, planes: int, stride: int) -> None:
+            super().__init__()
+            out = planes * 4
+            self.conv1, self.bn1 = nn.Conv2d(inp, planes, 1, bias=False), nn.BatchNorm2d(planes)
+            self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes)
+            self.conv3, self.bn3 = nn.Conv2d(planes, out, 1, bias=False), nn.BatchNorm2d(out)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = None
+            if stride != 1 or inp != out:
+                self.downsample = nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            y = self.relu(self.bn1(self.conv1(x)))
+            y = self.relu(self.bn2(self.conv2(y)))
+            return self.relu(self.bn3(self.conv3(y)) + identity)
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    inp = 64
+    for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(inp, planes, stride if i == 0 else 1))
+            inp = planes * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inp, 1000)]
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------- child: one process
+def child(a: dict) -> dict:
     import torch
-
-    import spillway.torch as spt
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    # the same seed must give the same losses run to run for the comparison to mean anything
-    # (CUBLAS_WORKSPACE_CONFIG comes from the parent, before CUDA starts)
+    # warn_only: a few backward kernels (adaptive pooling, index_add) have no deterministic CUDA
+    # version; the default allocator's repeat below shows whether the losses still repeat
     torch.use_deterministic_algorithms(True, warn_only=True)
-    a = None
-    if alloc in ("global", "pool"):
-        a = spt.use_allocator(budget=budget, mode=alloc)
-    elif alloc == "fraction":
-        torch.cuda.set_per_process_memory_fraction(cap_fraction)
-    elif alloc != "default":
-        raise SystemExit(f"unknown allocator {alloc}")
-    region = a if (a is not None and a.mode == "pool") else None
-    fn = {"gpt2": run_gpt2, "bert": run_bert, "resnet": run_resnet, "llama": run_llama}[workload]
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    dev = torch.device("cpu" if a["smoke"] else "cuda")
+    alloc = None
+    if a["alloc"] in ("global", "pool"):
+        import spillway.torch as spt
+
+        alloc = spt.use_allocator(budget=a["budget"], mode=a["alloc"])
+    elif a["alloc"] == "fraction":
+        torch.cuda.set_per_process_memory_fraction(a["cap"] / torch.cuda.get_device_properties(0).total_memory)
+    elif a["alloc"] != "default":
+        raise SystemExit(f"unknown allocator {a['alloc']}")
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def empty():
+        if alloc is not None:
+            import spillway.torch as spt
+
+            spt.empty_cache()
+        elif dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    class Region:  # pool mode: the workload inside `with alloc:`
+        def __enter__(self):
+            if alloc is not None and alloc.mode == "pool":
+                alloc.__enter__()
+
+        def __exit__(self, *exc):
+            if alloc is not None and alloc.mode == "pool":
+                alloc.__exit__(*exc)
+
     out: dict = {}
-    try:
-        if region is not None:
-            with region:
-                out = fn(torch, batch, steps)
-        else:
-            out = fn(torch, batch, steps)
+    w = Workload(torch, a["workload"], dev, a["smoke"])
+    with Region():
+        w.build()
+    out["static_bytes"] = w.param_bytes * STATIC_FACTOR[a["workload"]]
+    if a["what"] == "run":
+        losses, times = [], []
+        try:
+            with Region():
+                for _ in range(a["steps"]):
+                    sync()
+                    t0 = time.perf_counter()
+                    losses.append(w.step(a["batch"]))
+                    sync()
+                    times.append(time.perf_counter() - t0)
+            out["ok"] = True
+        except oom as e:
+            out.update(ok=False, error=f"OOM: {str(e)[:400]}")
+        skip = min(5, len(times) // 5)
+        per = getattr(w, "tokens_per_step", 1)
+        out.update(losses=losses, step_s=statistics.median(times[skip:]) / per if times else None)
+        if dev.type == "cuda":
+            out.update(torch_max_reserved=torch.cuda.max_memory_reserved(),
+                       torch_max_allocated=torch.cuda.max_memory_allocated())
+        if alloc is not None:
+            import spillway.torch as spt
+
+            s = spt.memory_stats()
+            out.update(spw_held_peak=s["held.peak"], spw_budget=s["budget"])
+        if a["alloc"] == "default" and out["ok"]:
+            # the same seed again in this process: the default allocator must repeat itself
+            n = min(len(losses), a["repeat_steps"])
+            w.build()
+            out["repeat_equal"] = [w.step(a["batch"]) for _ in range(n)] == losses[:n]
+            out["repeat_steps"] = n
+    else:  # cap: ascend the ladder with this model; stop at the first batch that does not fit
+        out["largest"], out["tried"] = 0, []
+        for b in a["ladder"]:
+            empty()
+            try:
+                with Region():
+                    for _ in range(a["steps"]):
+                        w.step(b)
+                sync()
+            except oom as e:
+                out["tried"].append([b, "OOM"])
+                out["error"] = str(e)[:300]
+                break
+            out["tried"].append([b, "ok"])
+            out["largest"] = b
         out["ok"] = True
-    except torch.OutOfMemoryError as e:
-        out = {"ok": False, "oom": True, "error": str(e)[:400]}
-    torch.cuda.synchronize()
-    out["torch_max_reserved"] = torch.cuda.max_memory_reserved()
-    out["torch_max_allocated"] = torch.cuda.max_memory_allocated()
-    if a is not None:
-        s = spt.memory_stats()
-        out["spw_held_peak"] = s["held.peak"]
-        out["spw_budget"] = s["budget"]
+        if alloc is not None:
+            import spillway.torch as spt
+
+            out["spw_held_peak"] = spt.memory_stats()["held.peak"]
     return out
 
 
-def timed_steps(torch, step, steps: int):
-    losses, times = [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    return {"losses": losses, "step_s": statistics.median(times[min(5, steps - 1):])}
-
-
-def train_step(torch, opt, loss_fn):
-    """One training step as a function: loss_fn() under bf16 autocast, backward, optimizer step;
-    returns the loss."""
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
-
-
-def run_gpt2(torch, batch: int, steps: int) -> dict:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    m = GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024)).cuda().train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator(device="cuda").manual_seed(1)
-
-    def loss():
-        ids = torch.randint(0, 50257, (batch, 1024), device="cuda", generator=g)
-        return m(input_ids=ids, labels=ids).loss
-
-    return timed_steps(torch, train_step(torch, opt, loss), steps)
-
-
-def run_bert(torch, batch: int, steps: int) -> dict:
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    m = BertForMaskedLM(BertConfig()).cuda().train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    lengths = torch.randint(32, 513, (steps,), generator=torch.Generator().manual_seed(2)).tolist()
-    it = iter(lengths)
-
-    def loss():
-        ids = torch.randint(0, 30522, (batch, next(it)), device="cuda", generator=g)
-        return m(input_ids=ids, labels=ids).loss
-
-    return timed_steps(torch, train_step(torch, opt, loss), steps)
-
-
-def run_resnet(torch, batch: int, steps: int) -> dict:
-    import torchvision
-
-    torch.manual_seed(0)
-    m = torchvision.models.resnet50(weights=None).cuda().train()
-    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    g = torch.Generator(device="cuda").manual_seed(1)
-
-    def loss():
-        x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)
-        y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
-        return torch.nn.functional.cross_entropy(m(x), y)
-
-    return timed_steps(torch, train_step(torch, opt, loss), steps)
-
-
-def run_llama(torch, batch: int, steps: int) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-                      num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
-    m = LlamaForCausalLM(cfg).to(torch.float16).cuda().eval()
-    ids = torch.randint(0, 32000, (batch, 128), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    new = 256
-    times, toks = [], None
-    for _ in range(max(1, steps // 25)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            toks = m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / new)
-    return {"tokens_hash": hash(tuple(toks.flatten().tolist())), "tokens": toks[:, -16:].tolist(),
-            "step_s": min(times)}
-
-
 # ---------------------------------------------------------------- parent
-def spawn(workload: str, alloc: str, budget: str, batch: int, steps: int, frac: float, timeout: int = 400) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, alloc, budget, str(batch), str(steps),
-           str(frac)]
+def spawn(args: dict) -> subprocess.Popen:
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")  # before CUDA starts in the child
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def collect(p: subprocess.Popen, timeout: float) -> dict:
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
+        stdout, stderr = p.communicate(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timeout after {timeout} s"}
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        p.kill()
+        p.communicate()
+        return {"ok": False, "error": f"timeout after {timeout:.0f} s"}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
-        return {"ok": False, "error": f"rc {p.returncode}: {p.stderr[-600:]}"}
+        return {"ok": False, "error": f"rc {p.returncode}: {stderr[-600:]}"}
     return json.loads(lines[-1][7:])
 
 
-def equal(ref: dict, got: dict) -> bool:
-    if "losses" in ref:
-        return got.get("losses") == ref["losses"]
-    return got.get("tokens_hash") == ref.get("tokens_hash")
+def gb(n) -> str:
+    return f"{n / 1e9:.2f} GB" if n else "-"
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        w, alloc, budget, batch, steps, frac = sys.argv[2:8]
-        print("RESULT " + json.dumps(child(w, alloc, budget, int(batch), int(steps), float(frac))), flush=True)
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        print("RESULT " + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="gpt2,bert,resnet,llama")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--budget", default="90%", help="use_allocator budget for the comparison runs")
-    ap.add_argument("--cap", default="24GiB", help="cap C for the largest-batch search ('' skips it)")
+    ap.add_argument("--steps", type=int, default=50, help="training steps per run (generation: one call of 256 tokens)")
+    ap.add_argument("--repeat-steps", type=int, default=10, help="steps the default allocator repeats")
+    ap.add_argument("--budget", default="90%", help="use_allocator budget of the comparison runs")
+    ap.add_argument("--cap-steps", type=int, default=2, help="steps per batch in the cap search")
+    ap.add_argument("--cap-scale", type=float, default=0.5, help="C = static + scale x (default reserved - static)")
+    ap.add_argument("--no-cap", action="store_true", help="skip the cap search")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, default allocator: checks this script")
     ap.add_argument("--json")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     import torch
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": [], "cap": []}
+    if args.smoke:
+        allocs, steps, total, device = ("default",), 3, 0, "cpu (smoke)"
+    else:
+        allocs, steps = ("default", "global", "pool"), args.steps
+        total, device = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    try:
+        import transformers  # noqa: F401
+        have_tf = True
+    except ImportError:
+        have_tf = False
+    results: dict = {"device": device, "torch": torch.__version__, "rows": [], "cap": [], "skipped": {}}
+    ran = {}
     for w in args.workloads.split(","):
-        if w == "resnet":
-            try:
-                import torchvision  # noqa: F401
-            except ImportError:
-                print("resnet: torchvision is not installed on this machine: not run", flush=True)
-                results["rows"].append({"workload": w, "skipped": "no torchvision"})
-                continue
-        ref = spawn(w, "default", "", DEFAULT_BATCH[w], args.steps, 0)
-        for alloc in ("global", "pool"):
-            got = spawn(w, alloc, args.budget, DEFAULT_BATCH[w], args.steps, 0)
-            row = {"workload": w, "allocator": alloc, "equal": equal(ref, got) if got.get("ok") else None,
-                   "spw_held_peak": got.get("spw_held_peak"), "default_max_reserved": ref.get("torch_max_reserved"),
-                   "held_over_reserved": (got.get("spw_held_peak") or 0) / max(1, ref.get("torch_max_reserved") or 1),
-                   "step_ratio": (got.get("step_s") or 0) / max(1e-9, ref.get("step_s") or 1e-9),
-                   "default_step_s": ref.get("step_s"), "step_s": got.get("step_s"),
-                   "error": got.get("error") or ref.get("error")}
+        if w in NEEDS_TRANSFORMERS and not have_tf:
+            results["skipped"][w] = "transformers is not importable"
+            print(f"{w}: transformers is not importable here: not run", flush=True)
+            continue
+        base = dict(workload=w, budget=args.budget, batch=DEFAULT_BATCH[w] if not args.smoke else 2,
+                    steps=1 if w == "llama" else steps, repeat_steps=1 if w == "llama" else args.repeat_steps,
+                    smoke=args.smoke, what="run", cap=0)
+        got = {}
+        for alloc in allocs:  # one at a time: the step times are compared
+            got[alloc] = collect(spawn(dict(base, alloc=alloc)), 150)
+        ref = got["default"]
+        ran[w] = ref
+        for alloc in allocs:
+            g = got[alloc]
+            row = {"workload": w, "allocator": alloc, "ok": g.get("ok"), "error": g.get("error"),
+                   "equal": g.get("losses") == ref.get("losses") if g.get("ok") and ref.get("ok") else None,
+                   "repeat_equal": ref.get("repeat_equal"), "repeat_steps": ref.get("repeat_steps"),
+                   "default_max_reserved": ref.get("torch_max_reserved"), "spw_held_peak": g.get("spw_held_peak"),
+                   "torch_max_reserved": g.get("torch_max_reserved"),
+                   "step_s": g.get("step_s"), "default_step_s": ref.get("step_s")}
             results["rows"].append(row)
-            print(f"{w:7s} {alloc:6s} equal {row['equal']}  held {row['spw_held_peak'] or 0:>12,} B vs default "
-                  f"max_reserved {row['default_max_reserved'] or 0:>12,} B ({row['held_over_reserved']:.3f})  "
-                  f"step {row['step_ratio']:.3f}x of default ({(row['step_s'] or 0) * 1e3:.1f} vs "
-                  f"{(row['default_step_s'] or 0) * 1e3:.1f} ms)" + (f"  ERROR {row['error']}" if row['error'] else ""),
-                  flush=True)
-        if args.cap:
-            from spillway import parse_size
-
-            cap = parse_size(args.cap)
-            best = {}
+            print(f"{w:6s} {alloc:7s} ok {row['ok']} equal {row['equal']} (default repeats: {row['repeat_equal']}) "
+                  f"held {gb(row['spw_held_peak'])} vs default reserved {gb(row['default_max_reserved'])} "
+                  f"step {1e3 * (row['step_s'] or 0):.2f} ms vs {1e3 * (row['default_step_s'] or 0):.2f} ms"
+                  + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
+    if not args.no_cap and not args.smoke:
+        procs = []
+        for w, ref in ran.items():
+            if not ref.get("ok"):
+                continue
+            static, reserved = ref["static_bytes"], ref["torch_max_reserved"]
+            cap = int(static + args.cap_scale * max(0, reserved - static)) // MiB * MiB
             for alloc in ("fraction", "global"):
-                best[alloc] = 0
-                for b in LADDER[w]:
-                    got = spawn(w, alloc, str(cap), b, 3, cap / total)
-                    if not got.get("ok"):
-                        break
-                    best[alloc] = b
-            results["cap"].append({"workload": w, "cap": cap, "largest_fraction": best["fraction"],
-                                   "largest_spillway": best["global"]})
-            print(f"{w:7s} cap {args.cap}: largest batch use_allocator {best['global']} vs "
-                  f"set_per_process_memory_fraction {best['fraction']}", flush=True)
+                a = dict(workload=w, alloc=alloc, budget=str(cap), cap=cap, ladder=LADDER[w],
+                         steps=1 if w == "llama" else args.cap_steps,
+                         smoke=False, what="cap", batch=0, repeat_steps=0)
+                procs.append((w, alloc, cap, reserved, spawn(a)))
+        t0 = time.perf_counter()
+        best: dict = {}
+        for w, alloc, cap, reserved, p in procs:
+            best[(w, alloc)] = collect(p, 200 - (time.perf_counter() - t0))
+        for w in ran:
+            if (w, "global") not in best:
+                continue
+            f, s = best[(w, "fraction")], best[(w, "global")]
+            cap = next(c for ww, _, c, _, _ in procs if ww == w)
+            entry = {"workload": w, "cap": cap, "default_max_reserved": ran[w]["torch_max_reserved"],
+                     "largest_fraction": f.get("largest"), "largest_spillway": s.get("largest"),
+                     "tried_fraction": f.get("tried"), "tried_spillway": s.get("tried"),
+                     "spw_held_peak": s.get("spw_held_peak"), "error": f.get("error") if not f.get("ok") else
+                     (s.get("error") if not s.get("ok") else None)}
+            results["cap"].append(entry)
+            print(f"{w:6s} cap {gb(cap)}: largest batch use_allocator {entry['largest_spillway']} vs "
+                  f"set_per_process_memory_fraction {entry['largest_fraction']} (ladder {LADDER[w]})", flush=True)
+    results["seconds"] = time.perf_counter() - t_start
+    print(table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def table(r: dict) -> str:
+    """The markdown tables for bench/RESULTS.md."""
+    what = {"gpt2": "GPT-2 medium training, batch 8 x 1024", "bert": "BERT-base training, batch 32, varlen 32-512",
+            "resnet": "ResNet-50 training, batch 128", "llama": "Llama-shaped greedy generation, batch 8"}
+    lines = [f"\n{r['device']}, torch {r['torch']}, {r['seconds']:.0f} s in all\n",
+             "| workload | allocator | equal to default (default repeats) | spillway held peak / default max_reserved "
+             "| step time vs default |", "| --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        if x["allocator"] == "default":
+            lines.append(f"| {what[x['workload']]} | default | repeats {x['repeat_equal']} over {x['repeat_steps']} "
+                         f"steps | {gb(x['default_max_reserved'])} reserved | "
+                         f"{1e3 * (x['step_s'] or 0):.2f} ms |")
+            continue
+        ratio = (x["spw_held_peak"] or 0) / max(1, x["default_max_reserved"] or 1)
+        step = (x["step_s"] or 0) / max(1e-12, x["default_step_s"] or 1e-12)
+        eq = {True: "yes", False: "no", None: "-"}[x["equal"]]
+        lines.append(f"| {what[x['workload']]} | {x['allocator']} | {eq} ({x['repeat_equal']}) | "
+                     f"{gb(x['spw_held_peak'])} / {gb(x['default_max_reserved'])} ({ratio:.3f}) | "
+                     f"{step:.3f} ({1e3 * (x['step_s'] or 0):.2f} / {1e3 * (x['default_step_s'] or 0):.2f} ms)"
+                     + (f" ERROR {x['error'][:120]}" if x["error"] else "") + " |")
+    for w, why in r["skipped"].items():
+        lines.append(f"| {what[w]} | - | not run: {why} | | |")
+    if r["cap"]:
+        lines += ["", "| workload | cap C | largest batch, use_allocator(budget=C) | largest batch, "
+                  "set_per_process_memory_fraction | ladder tried (spillway; fraction) |", "| --- | --- | --- | --- | --- |"]
+        for c in r["cap"]:
+            lines.append(f"| {what[c['workload']]} | {gb(c['cap'])} | {c['largest_spillway']} | {c['largest_fraction']} | "
+                         f"{c['tried_spillway']}; {c['tried_fraction']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

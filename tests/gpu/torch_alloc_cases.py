@@ -1,6 +1,12 @@
-"""One scenario of spillway.torch.use_allocator per process (the routing is per process), run by
-tests/gpu/test_torch_alloc_gpu.py: `python torch_alloc_cases.py CASE ALLOCATOR [BUDGET]` prints
-one JSON line (prefixed RESULT) with what the test asserts. ALLOCATOR: default | global | pool.
+"""Scenarios of spillway.torch.use_allocator, several per process (the routing is per process),
+run by tests/gpu/test_torch_alloc_gpu.py:
+
+    python torch_alloc_cases.py ALLOCATOR BUDGET CASE[,CASE...]
+
+ALLOCATOR: default | global | pool. The cases run in the order given; each prints one line
+`RESULT {"case": ..., ...}` with what the test asserts (an exception in a case is reported as
+"crash" and the next case still runs). Before each case spillway.torch.empty_cache() gives the
+previous case's cached memory back, so each starts from the same budget.
 """
 from __future__ import annotations
 
@@ -19,10 +25,14 @@ GiB = 1 << 30
 MiB = 1 << 20
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+torch.use_deterministic_algorithms(True, warn_only=True)  # the same seed gives the same losses run to run
+
+
+_case = {"name": ""}
 
 
 def report(**kw) -> None:
-    print("RESULT " + json.dumps(kw), flush=True)
+    print("RESULT " + json.dumps(dict(case=_case["name"], **kw)), flush=True)
 
 
 def start(alloc: str, budget: str):
@@ -124,14 +134,15 @@ def case_record_stream(a):
 
 def case_empty_cache(a):
     with Region(a):
-        x = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+        x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
         x.fill_(1)
         del x
         torch.cuda.synchronize()
     before = spt.memory_reserved()
+    torch_before = torch.cuda.memory_reserved()
     spt.empty_cache()
-    after = spt.memory_reserved()
-    report(before=before, after=after)
+    report(before=before, after=spt.memory_reserved(), torch_before=torch_before,
+           torch_after=torch.cuda.memory_reserved())
 
 
 def case_stats(a):
@@ -158,7 +169,7 @@ def case_cudnn(a):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3), nn.BatchNorm2d(64), nn.ReLU(), nn.Conv2d(64, 128, 3, 2, 1),
                       nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)).cuda()
-    x = torch.randn(64, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    x = torch.randn(16, 3, 224, 224, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     out = {}
     with Region(a):
         try:
@@ -167,6 +178,8 @@ def case_cudnn(a):
             out.update(ok=True, loss=loss.item(), grad=m[0].weight.grad.abs().sum().item())
         except Exception as e:  # noqa: BLE001
             out.update(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
+        finally:
+            torch.backends.cudnn.benchmark = False
     report(**out, **mem(a))
 
 
@@ -248,14 +261,22 @@ def case_offload_kv(a, budget_mib: int, new_tokens: int = 768, batch: int = 8):
 
 
 def main() -> None:
-    case, alloc = sys.argv[1], sys.argv[2]
-    budget = sys.argv[3] if len(sys.argv) > 3 else "8GiB"
+    alloc, budget, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     a = start(alloc, budget)
-    fn = globals()["case_" + case]
-    if case == "offload_kv":
-        fn(a, int(budget.rstrip("MiB")) if a is not None else 0)
-    else:
-        fn(a)
+    for case in cases:
+        _case["name"] = case
+        if a is not None:
+            spt.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            if case == "offload_kv":
+                case_offload_kv(a, int(budget.rstrip("MiB")) if a is not None else 0)
+            else:
+                globals()["case_" + case](a)
+        except Exception as e:  # noqa: BLE001 - reported; the next case runs
+            report(crash=f"{type(e).__name__}: {str(e)[:1500]}")
+        print(f"case {case} {alloc}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,69 @@ def test_offload_without_allocator_keeps_its_own_context():
     assert off.context.budget == 4 * MiB
     off.remove()
     assert off.context.closed
+
+
+# ---- PyTorch's cache of the routed pools (the calls into torch._C are recorded, not made) ----
+
+class _Pool:
+    def __init__(self, n: int) -> None:
+        self.id = (0, n)
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """An emu allocator that believes it routes: pools for devices 0 and 1, and the torch calls
+    that make pools freeable and empty the cache recorded in order."""
+    calls = []
+    refuse = {"anchor": False}
+
+    def empty(n, dtype=None, device=None):
+        calls.append(("anchor", device.index))
+        if refuse["anchor"]:
+            raise _alloc._TORCH_OOM("refused")
+        return object()
+
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, pid: calls.append(("release", d, pid)), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setattr(_alloc.torch, "empty", empty)
+    a = spt.use_allocator({0: "8MiB", 1: "8MiB"}, **EMU)
+    a.routed, a._pools = True, {0: _Pool(1), 1: _Pool(2)}
+    yield a, calls, refuse
+    a.routed = False
+
+
+def test_global_mode_makes_a_pool_freeable_once_with_an_anchor_then_empties_the_cache(routed):
+    a, calls, refuse = routed
+    p = talloc(MiB, 0)  # device 0 has a context; device 1 none
+    spt.empty_cache()
+    assert calls == [("anchor", 0), ("release", 0, (0, 1)), ("release", 0, (0, 1)), ("empty_cache",)]
+    del calls[:]
+    spt.empty_cache()  # freeable already: the cache is emptied, nothing released twice
+    assert calls == [("empty_cache",)]
+    del calls[:]
+    refuse["anchor"] = True  # an anchor that cannot be allocated leaves the pool as it was
+    q = talloc(MiB, 1)
+    spt.empty_cache()
+    assert calls == [("anchor", 1), ("empty_cache",)] and a._freeable == {0}
+    tfree(p, MiB, 0)
+    tfree(q, MiB, 1)
+
+
+def test_oom_observer_empties_pytorchs_cache_before_raising(routed):
+    a, calls, _ = routed
+    p = talloc(6 * MiB, 0)
+    assert talloc(6 * MiB, 0) == 0
+    with pytest.raises(spt.OutOfMemoryError, match="budget 8.00 MiB"):
+        _alloc._oom_observer(0, 6 * MiB, 0, 0)
+    assert calls[-1] == ("empty_cache",) and ("anchor", 0) in calls
+    del calls[:]
+    assert _alloc._oom_observer(1, MiB, 0, 0) is None and calls == []  # not spillway's: nothing done
+    tfree(p, 6 * MiB, 0)
+
+
+def test_pool_mode_retires_only_pools_no_with_routes_to(routed):
+    a, calls, _ = routed
+    a.mode, a._entered = "pool", {0: 1}
+    spt.empty_cache()
+    assert calls == [("release", 1, (0, 2)), ("empty_cache",)]
+    assert list(a._pools) == [0]  # device 1 gets a new pool at its next `with`

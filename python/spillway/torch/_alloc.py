@@ -18,6 +18,16 @@ How it is wired (PyTorch 2.11), and why:
 - An out-of-memory observer turns a refusal by spillway into spillway.torch.OutOfMemoryError
   (a torch.OutOfMemoryError) carrying spillway's message: requested, budget, held, live, cached,
   and what would help. OOMs that spillway did not cause keep PyTorch's message.
+- PyTorch frees the cached blocks of a pool only once the pool is "freeable" (its use count is 0),
+  and its malloc skips the free-all-and-retry step while any pool is routed to. So in global mode
+  each device's pool is made freeable as soon as it holds an anchor block (a segment that stays
+  allocated, so that releasing the cache never removes the routed pool from PyTorch's table); then
+  torch.cuda.empty_cache(), spillway's empty_cache() and the OOM observer give its cached blocks
+  back while it stays routed. A freeable pool can never be routed to again, so the routing is never
+  paused. In pool mode a pool is retired (made freeable, replaced by a new one for the next `with`)
+  when the cache is emptied outside `with`. PyTorch's ~MemPool releases the pool once more, which
+  would underflow the use count of a freeable pool: every pool object is kept alive for the life
+  of the process.
 - CUDA graph capture where the routing applies fails at once (see use_allocator).
 """
 from __future__ import annotations
@@ -35,15 +45,24 @@ from .. import errors as _errors
 
 _lib_c = _lib.lib
 _MODES = ("global", "pool")
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 _lock = threading.RLock()
 _active: Optional["Allocator"] = None
 _contexts: Dict[int, "_SharedContext"] = {}
-_pools_keep: List[Any] = []  # pools outlive the Allocator: tensors allocated from them may live on
+_pools_keep: List[Any] = []  # pools and anchors live as long as the process (see the module's docstring)
 _observer_attached = False
 _graph_guard_installed = False
 _tls = threading.local()  # .pool_depth: `with allocator:` (pool mode) nesting on this thread
+_in_observer = threading.local()  # .active: the OOM observer is releasing PyTorch's cache on this thread
+
+
+def _keep_forever(obj: Any) -> None:
+    """Never destroy obj, not even at interpreter exit: PyTorch's ~MemPool releases its pool once
+    more, which fails an assertion (and terminates the process) for a pool made freeable here."""
+    _pools_keep.append(obj)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class _SharedContext(Context):
@@ -137,10 +156,22 @@ def context(device: Any = None, create: bool = True) -> Context:
 
 
 def _oom_observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-    """PyTorch's out-of-memory observer: raise spillway's error when spillway refused."""
+    """PyTorch's out-of-memory observer: raise spillway's error when spillway refused. Before
+    raising, PyTorch's cached blocks of the routed pools go back to spillway: PyTorch does not free
+    them itself while a pool is routed to, and the next allocation would be refused as well."""
     if not _lib_c.spw_torch_oom_pending(device):
         return  # not ours: PyTorch raises its own message
-    raise _oom_error(device, alloc)
+    err = _oom_error(device, alloc)
+    a = current()
+    if a is not None and a.routed and not getattr(_in_observer, "active", False):
+        _in_observer.active = True
+        try:
+            _torch_empty_cache(a)
+        except Exception:  # noqa: BLE001 - the refusal is the error to report
+            pass
+        finally:
+            _in_observer.active = False
+    raise err
 
 
 def _oom_error(device: int, alloc: Optional[int]) -> Exception:
@@ -203,6 +234,8 @@ class Allocator:
         self.routed = False
         self.closed = False
         self._pools: Dict[int, Any] = {}
+        self._freeable: set = set()  # global mode: devices whose routed pool is freeable
+        self._entered: Dict[int, int] = {}  # pool mode: device -> `with` depth (routing to _pools[device])
         self._pool_ctx: List[Any] = []
         self._pluggable = None
         if backend == "emu":
@@ -223,7 +256,28 @@ class Allocator:
                 pool = self._pool(d)
                 torch._C._cuda_beginAllocateToPool(d, pool.id)
         self.routed = True
+        if mode == "global":
+            self._make_freeable(torch.cuda.current_device())
         return self
+
+    def _make_freeable(self, device: int) -> bool:
+        """Global mode: allocate device's anchor in its routed pool, then drop the pool's two uses
+        (the routing's and the MemPool's) so that PyTorch frees its cached blocks on empty_cache.
+        False when the anchor could not be allocated (the pool keeps its cache until next time)."""
+        if device in self._freeable:
+            return True
+        pool = self._pools.get(device)
+        if pool is None:
+            return False
+        try:
+            anchor = torch.empty(512, dtype=torch.uint8, device=torch.device("cuda", device))
+        except _TORCH_OOM:
+            return False
+        _keep_forever(anchor)
+        torch._C._cuda_releasePool(device, pool.id)
+        torch._C._cuda_releasePool(device, pool.id)
+        self._freeable.add(device)
+        return True
 
     def _pool(self, device: int) -> Any:
         pool = self._pools.get(device)
@@ -231,18 +285,30 @@ class Allocator:
             with torch.cuda.device(device):
                 pool = torch.cuda.MemPool(self._pluggable)
             self._pools[device] = pool
-            _pools_keep.append(pool)
+            _keep_forever(pool)
         return pool
+
+    def _retire_pools(self) -> None:
+        """Pool mode, outside every `with`: make each device's pool freeable (its MemPool's use is
+        its only one) and start a new one for the next `with`. Tensors from a retired pool stay
+        valid; their blocks are freed to the device by a later empty_cache."""
+        for d, pool in list(self._pools.items()):
+            if self._entered.get(d, 0):
+                continue
+            torch._C._cuda_releasePool(d, pool.id)
+            del self._pools[d]
 
     # ---- pool mode: the region ----
     def __enter__(self) -> "Allocator":
         if self.closed:
             raise StateError("spillway.torch: this allocator is closed")
         if self.mode == "pool" and self.routed:
-            d = torch.cuda.current_device()
-            cm = torch.cuda.use_mem_pool(self._pool(d), d)
-            cm.__enter__()
-            self._pool_ctx.append(cm)
+            with _lock:
+                d = torch.cuda.current_device()
+                cm = torch.cuda.use_mem_pool(self._pool(d), d)
+                cm.__enter__()
+                self._pool_ctx.append((d, cm))
+                self._entered[d] = self._entered.get(d, 0) + 1
             _tls.pool_depth = getattr(_tls, "pool_depth", 0) + 1
         return self
 
@@ -250,7 +316,10 @@ class Allocator:
         if self.mode == "pool":
             if self._pool_ctx:
                 _tls.pool_depth -= 1
-                self._pool_ctx.pop().__exit__(*exc)
+                with _lock:
+                    d, cm = self._pool_ctx.pop()
+                    self._entered[d] -= 1
+                    cm.__exit__(*exc)
         else:
             self.close()
 
@@ -420,8 +489,9 @@ def reset_peak_memory_stats(device: Any = None) -> None:
 
 def empty_cache() -> None:
     """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device.
-    In global mode the routing is paused around PyTorch's empty_cache, which refuses to run
-    while an allocation pool is being routed to."""
+    Blocks PyTorch cannot free are kept: those of segments partly in use, in pool mode those of
+    the pool a `with` is routing to, and in global mode blocks used on another stream
+    (record_stream), which PyTorch recycles only while no pool is routed to."""
     a = current()
     if a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
         _torch_empty_cache(a)
@@ -429,19 +499,23 @@ def empty_cache() -> None:
 
 
 def _torch_empty_cache(a: Optional[Allocator]) -> None:
-    """torch.cuda.empty_cache(); in global mode with the routing paused around it (PyTorch
-    refuses to empty its cache while an allocation pool is being routed to)."""
-    if a is None or a.mode != "global" or not a.routed:
-        torch.cuda.empty_cache()
-        return
-    with _lock:
-        for d, pool in a._pools.items():
-            torch._C._cuda_endAllocateToPool(d, pool.id)
-        try:
-            torch.cuda.empty_cache()
-        finally:
-            for d, pool in a._pools.items():
-                torch._C._cuda_beginAllocateToPool(d, pool.id)
+    """torch.cuda.empty_cache() with the routed pools made freeable first (see the module's
+    docstring): global mode, every device spillway has a context for; pool mode, the pools no
+    `with` is routing to, retired."""
+    if a is not None and a.routed:
+        with _lock:
+            if a.mode == "global":
+                for d in list(a._pools):
+                    if d not in a._freeable and _has_context(d):
+                        a._make_freeable(d)  # in the observer, a refused anchor raises there and is caught
+            else:
+                a._retire_pools()
+    torch.cuda.empty_cache()
+
+
+def _has_context(device: int) -> bool:
+    out = ctypes.c_void_p()
+    return _lib_c.spw_torch_context(device, 0, ctypes.byref(out)) == 0
 
 
 def memory_summary(device: Any = None) -> str:
