@@ -34,7 +34,7 @@ typedef struct bs_opts {
     const char *policies[MAX_POLICIES];
     int npolicies;
     unsigned long long seed;
-    bool json, summary, no_split;
+    bool json, summary, no_split, layer_times;
 } bs_opts;
 
 typedef struct bs_run { /* one spillway run (one policy) */
@@ -52,6 +52,7 @@ typedef struct bs_run { /* one spillway run (one policy) */
     int split_spread, split_tried; /* static split: placement (0 prefix, 1 spread); candidates timed */
     const char *split_placement;
     char policy_state[256];     /* the policy's account of itself after the passes */
+    double *layer_ms;           /* --layer-times: each product's start after its pass's start */
 } bs_run;
 
 typedef struct bench {
@@ -114,6 +115,20 @@ int bs_gpu_gemm(bench *B, const void *x, const void *w, void *y, cudaStream_t s)
 void bs_gpu_link_rate(bench *B);
 /* The all-resident (or staged) cuBLAS reference into B->ref, and B->all_resident_ms. */
 int bs_gpu_reference(bench *B);
+
+/* --layer-times: a timing event before each product of every pass (the same cost in every run,
+ * the split's included), to see where a pipeline loses time within a pass. */
+typedef struct bs_ltimes {
+    cudaEvent_t *ev; /* P x N, NULL when off */
+    long N, P;
+} bs_ltimes;
+int bs_ltimes_create(const bench *B, bs_ltimes *t);
+/* Record the event of (pass p, layer l) on s; nothing when off. */
+int bs_ltimes_mark(bs_ltimes *t, long p, long l, cudaStream_t s);
+/* layer_ms[l] = median over the second half of the passes of the product's start after
+ * pass_start[p] (allocated here; nothing when off). */
+int bs_ltimes_finish(bs_ltimes *t, const cudaEvent_t *pass_start, double **layer_ms);
+void bs_ltimes_destroy(bs_ltimes *t);
 
 /* ---- bench_stream_split.c ---- */
 

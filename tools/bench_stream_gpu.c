@@ -135,3 +135,51 @@ fail:
     free(ms);
     return rc;
 }
+
+int bs_ltimes_create(const bench *B, bs_ltimes *t) {
+    t->N = B->o.layers;
+    t->P = B->o.passes;
+    t->ev = NULL;
+    if (!B->o.layer_times) return 0;
+    if (!(t->ev = calloc((size_t)(t->N * t->P), sizeof *t->ev))) return 1;
+    for (long i = 0; i < t->N * t->P; i++) CK(cudaEventCreate(&t->ev[i]));
+    return 0;
+fail:
+    return 1;
+}
+
+int bs_ltimes_mark(bs_ltimes *t, long p, long l, cudaStream_t s) {
+    if (t->ev) CK(cudaEventRecord(t->ev[p * t->N + l], s));
+    return 0;
+fail:
+    return 1;
+}
+
+int bs_ltimes_finish(bs_ltimes *t, const cudaEvent_t *pass_start, double **layer_ms) {
+    if (!t->ev) return 0;
+    long from = t->P / 2, n = t->P - from;
+    double *v = calloc((size_t)n, sizeof *v), *out = calloc((size_t)t->N, sizeof *out);
+    if (!v || !out) goto fail;
+    for (long l = 0; l < t->N; l++) {
+        for (long p = from; p < t->P; p++) {
+            float ms;
+            CK(cudaEventElapsedTime(&ms, pass_start[p], t->ev[p * t->N + l]));
+            v[p - from] = ms;
+        }
+        out[l] = bs_median_from(v, (size_t)n, 0);
+    }
+    free(v);
+    *layer_ms = out;
+    return 0;
+fail:
+    free(v);
+    free(out);
+    return 1;
+}
+
+void bs_ltimes_destroy(bs_ltimes *t) {
+    for (long i = 0; t->ev && i < t->N * t->P; i++)
+        if (t->ev[i]) cudaEventDestroy(t->ev[i]);
+    free(t->ev);
+    t->ev = NULL;
+}

@@ -217,6 +217,7 @@ typedef struct run_state {
     float *acc;
 #ifdef SPW_HAVE_CUDA
     cudaEvent_t *ev;
+    bs_ltimes lt;
 #endif
 } run_state;
 
@@ -368,6 +369,9 @@ static int passes(bench *B, bs_run *r, run_state *S) {
                 st = spw_prefetch(S->w[(l + d) % N], S->s);
             void *wp = NULL;
             if (st || (st = spw_acquire(S->w[l], S->s, SPW_ACCESS_READ, &wp))) break;
+#ifdef SPW_HAVE_CUDA
+            if (B->gpu && bs_ltimes_mark(&S->lt, p, l, (cudaStream_t)S->s)) return 1;
+#endif
             if (enqueue_gemm(B, S, &S->hg[p * N + l], S->act[l % 2], wp, S->act[(l + 1) % 2]))
                 return 1;
             st = spw_release(S->w[l], S->s);
@@ -405,6 +409,7 @@ static int passes(bench *B, bs_run *r, run_state *S) {
         CK(cudaEventElapsedTime(&ms, S->ev[p], S->ev[p + 1]));
         r->pass_ms[p] = ms;
     }
+    if (B->gpu && bs_ltimes_finish(&S->lt, S->ev, &r->layer_ms)) return 1;
 #endif
     spw__ctx_describe_policy(S->ctx, r->policy_state, sizeof r->policy_state);
     r->evictions = now.evictions_clean.total + now.evictions_dirty.total;
@@ -437,6 +442,7 @@ int bs_run_policy(bench *B, bs_run *r, bool last) {
 #ifdef SPW_HAVE_CUDA
     if (B->gpu && !(S.ev = calloc((size_t)P + 1, sizeof *S.ev))) goto out;
     for (long p = 0; B->gpu && p <= P; p++) CK(cudaEventCreate(&S.ev[p]));
+    if (B->gpu && bs_ltimes_create(B, &S.lt)) goto out;
 #endif
     if ((rc = make_ctx(B, r->policy, &S.ctx))) goto out;
     rc = 1;
@@ -495,6 +501,7 @@ out:
     for (long p = 0; S.ev && p <= P; p++)
         if (S.ev[p]) cudaEventDestroy(S.ev[p]);
     free(S.ev);
+    bs_ltimes_destroy(&S.lt);
 #endif
     free(S.w);
     free(S.hg);

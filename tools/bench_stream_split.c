@@ -51,12 +51,14 @@ fail:
 
 /* P passes of the split; ms[p] per pass (compute-stream events). The output of the last pass
  * is left in act + (N % 2 + 1) * act_bytes. */
-static int split_passes(bench *B, split_state *S, long P, double *ms) {
+static int split_passes(bench *B, split_state *S, long P, double *ms, double **layer_ms) {
     long N = B->o.layers;
     size_t ab = B->act_bytes;
     cudaEvent_t *ev = calloc((size_t)P + 1, sizeof *ev);
+    bs_ltimes lt = {0};
     int rc = 1;
     if (!ev) return 1;
+    if (layer_ms && bs_ltimes_create(B, &lt)) goto fail;
     for (long p = 0; p <= P; p++) CK(cudaEventCreate(&ev[p]));
     S->g = 0;
     for (uint64_t g = 0; g < 2 && g < (uint64_t)S->m; g++)
@@ -70,11 +72,13 @@ static int split_passes(bench *B, split_state *S, long P, double *ms) {
         for (long l = 0; l < N; l++) {
             char *x = S->act + (size_t)(l % 2 + 1) * ab, *y = S->act + (size_t)((l + 1) % 2 + 1) * ab;
             if (S->res_index[l] >= 0) {
+                if (bs_ltimes_mark(&lt, p, l, S->cs)) goto fail;
                 if (bs_gpu_gemm(B, x, S->res + (size_t)S->res_index[l] * B->layer_bytes, y, S->cs)) goto fail;
                 continue;
             }
             int s = (int)(S->g % 2);
             CK(cudaStreamWaitEvent(S->cs, S->ready[s], 0));
+            if (bs_ltimes_mark(&lt, p, l, S->cs)) goto fail;
             if (bs_gpu_gemm(B, x, S->slot[s], y, S->cs)) goto fail;
             CK(cudaEventRecord(S->freed[s], S->cs));
             if (S->m > 1 && issue_copy(B, S, S->g + 2)) goto fail; /* m == 1: the slot keeps it */
@@ -88,12 +92,14 @@ static int split_passes(bench *B, split_state *S, long P, double *ms) {
         CK(cudaEventElapsedTime(&t, ev[p], ev[p + 1]));
         ms[p] = t;
     }
+    if (layer_ms && bs_ltimes_finish(&lt, ev, layer_ms)) goto fail;
     CK(cudaStreamSynchronize(S->xs));
     rc = 0;
 fail:
     for (long p = 0; p <= P; p++)
         if (ev[p]) cudaEventDestroy(ev[p]);
     free(ev);
+    bs_ltimes_destroy(&lt);
     return rc;
 }
 
@@ -164,7 +170,7 @@ int bs_static_split(bench *B, bs_run *r) {
             if (spread && (k == 0 || k == N)) continue; /* the same placement as the prefix */
             int st = split_setup(B, &S, k, spread, budget);
             if (st < 0) goto fail;
-            if (st == 0 && split_passes(B, &S, SEARCH_PASSES, ms) == 0) {
+            if (st == 0 && split_passes(B, &S, SEARCH_PASSES, ms, NULL) == 0) {
                 double t = bs_median_from(ms, SEARCH_PASSES, 1);
                 r->split_tried++;
                 if (!best_ms || t < best_ms) {
@@ -183,7 +189,7 @@ int bs_static_split(bench *B, bs_run *r) {
         fprintf(stderr, "spillway bench stream: static split: not even the two slots fit in the budget\n");
         goto out;
     }
-    if (split_setup(B, &S, r->split_k, r->split_spread, budget) || split_passes(B, &S, P, r->pass_ms)) goto fail;
+    if (split_setup(B, &S, r->split_k, r->split_spread, budget) || split_passes(B, &S, P, r->pass_ms, &r->layer_ms)) goto fail;
     r->completed = true;
     r->split_placement = placement_name(r->split_spread);
     CK(cudaMemcpy(B->out, S.act + (size_t)(N % 2 + 1) * ab, ab, cudaMemcpyDeviceToHost));

@@ -45,7 +45,7 @@ static void usage(FILE *f) {
             "usage: spillway bench stream [--layers N] [--layer-mib M] [--batch B] [--budget SIZE]\n"
             "       [--residency explicit|managed] [--policy lru|plan[,..]] [--passes P]\n"
             "       [--prefetch D] [--seed S] [--trace FILE] [--backend auto|cuda|emu] [--json]\n"
-            "       [--summary] [--no-static-split]\n\n"
+            "       [--summary] [--no-static-split] [--layer-times]\n\n"
             "Streams N bf16 layers of M MiB (K x K, K = sqrt(M MiB / 2)) through a chain of matrix\n"
             "products X <- X W_l, weights held as spillway buffers under a device budget; checks the\n"
             "result against the same chain on all-resident weights; reports ms per pass, bytes\n"
@@ -64,6 +64,8 @@ static void usage(FILE *f) {
             "  --no-static-split  skip the peer (cuda): the hand-tuned static split at the same\n"
             "                 budget, k resident layers and two streamed slots, the best k and\n"
             "                 placement found by timing every k that fits\n"
+            "  --layer-times  (cuda) a timing event before every product; the JSON gets each\n"
+            "                 run's layer_start_ms: the product's start after its pass's start\n"
             "Options from SPILLWAY_CONF are applied first; flags override them.\n");
 }
 
@@ -108,6 +110,8 @@ static int parse_args(int argc, char **argv, bs_opts *o) {
             o->json = true;
         } else if (!strcmp(a, "--summary")) {
             o->summary = true;
+        } else if (!strcmp(a, "--layer-times")) {
+            o->layer_times = true;
         } else if (!strcmp(a, "--no-static-split")) {
             o->no_split = true;
         } else if (spw_cli_is_flag(a, "--layers")) {
@@ -244,6 +248,11 @@ static void print_json(const bench *B, size_t budget) {
                 else printf("%s%llu", p ? ", " : "",
                             (unsigned long long)(k == 1 ? r->pass_h2d[p] : r->pass_d2h[p]));
             }
+            putchar(']');
+        }
+        if (r->layer_ms) {
+            printf(", \"layer_start_ms\": [");
+            for (long l = 0; l < B->o.layers; l++) printf("%s%.4f", l ? ", " : "", r->layer_ms[l]);
             putchar(']');
         }
         putchar('}');
@@ -413,7 +422,9 @@ out:
         free(B.runs[i].pass_ms);
         free(B.runs[i].pass_h2d);
         free(B.runs[i].pass_d2h);
+        free(B.runs[i].layer_ms);
     }
+    free(B.split.layer_ms);
     free(B.split.pass_ms);
     free(B.split.pass_h2d);
     free(B.split.pass_d2h);
