@@ -11,8 +11,9 @@ against the resident model, then --passes timed passes (medians over the passes)
   hooks/block   hook_ns / acquires: the figure bench/peers/torch_offload.py prints as "hook us
                 per block" (its acceptance: <= 30 us on the H200, workload a)
   C/block       time inside the C calls per acquire, measured in a second offload of the same
-                model whose library functions are wrapped by timers (their own cost left out)
-  python/block  hooks/block - C/block: what the Python side of the hooks costs
+                model whose library functions are wrapped by timers
+  python/block  in that second offload, the hooks' time less the C calls and the wrappers' own
+                cost: what the Python side of the hooks costs
   pass/block    (offloaded pass - resident pass) / layers, wall time: also counts torch's own
                 dispatch of the hooks (nn.Module takes its slow path when a module has hooks)
   spw_acquire   ns per call, median/90th percentile/max (on CUDA a plan acquire may enqueue the
@@ -154,11 +155,11 @@ class NoSync:
         return getattr(self.real, name)
 
 
-def run_one(a, model, x, ref, budget, policy, lib_c):
+def run_one(a, model, x, ref, budget, policy, lib_c, wrapper_ns=0.0):
     """Offload model with _offload._lib_c = lib_c, check the output after the warm-up and after
-    the timed passes, remove. Per pass: wall time, hook ns per acquire, and (Timers) C ns per
-    acquire; the medians over the passes are returned, so a pass the machine interrupted does
-    not decide."""
+    the timed passes, remove. Per pass: wall time, hook ns per acquire, and with Timers the C ns
+    per acquire and the rest of the hooks' time in the same pass (less wrapper_ns a call); the
+    medians over the passes are returned, so a pass the machine interrupted does not decide."""
     real = _offload._lib_c
     _offload._lib_c = lib_c
     try:
@@ -178,7 +179,7 @@ def run_one(a, model, x, ref, budget, policy, lib_c):
                     lib_c.skip = True
                 h0 = off.hook_stats()
                 s0 = off.stats()["bytes_h2d"]["total"]
-                wall, hook, c_calls, acq_ns = [], [], [], []
+                wall, hook, c_calls, py, acq_ns = [], [], [], [], []
                 hp = h0
                 for _ in range(a.passes):
                     sync(a)
@@ -191,7 +192,10 @@ def run_one(a, model, x, ref, budget, policy, lib_c):
                     hook.append((h["hook_ns"] - hp["hook_ns"]) / n)
                     hp = h
                     if isinstance(lib_c, Timers):
-                        c_calls.append(sum(sum(lib_c.ns[k]) for k in _TIMED) / n)
+                        c = sum(sum(lib_c.ns[k]) for k in _TIMED)
+                        calls = sum(len(lib_c.ns[k]) for k in _TIMED)
+                        c_calls.append(c / n)
+                        py.append(hook[-1] - (c + wrapper_ns * calls) / n)
                         acq_ns += lib_c.ns["spw_acquire"]
                         lib_c.reset()
                 h1 = off.hook_stats()
@@ -199,7 +203,8 @@ def run_one(a, model, x, ref, budget, policy, lib_c):
                 if not torch.equal(out, ref):
                     raise SystemExit("hook_cost: offloaded output differs during the timed passes")
             return dict(ms=statistics.median(wall) / 1e6, hook_ns=statistics.median(hook),
-                        c_ns=statistics.median(c_calls) if c_calls else None, acq_ns=sorted(acq_ns) or [0],
+                        c_ns=statistics.median(c_calls) if c_calls else None,
+                        py_ns=statistics.median(py) if py else None, acq_ns=sorted(acq_ns) or [0],
                         acquires=(h1["acquires"] - h0["acquires"]) / a.passes,
                         view_builds=h1["view_builds"] - h0["view_builds"], moved=moved / a.passes)
         finally:
@@ -353,7 +358,7 @@ def main() -> None:
           f"{next(model.parameters()).dtype}, batch {a.batch}, {a.passes} passes; "
           f"resident pass {res_ms:.3f} ms; torch {torch.__version__}")
     wc = wrapper_cost()
-    print(f"  (timer wrapper cost {wc:.0f} ns a call, left out of C/block)")
+    print(f"  (timer wrapper cost {wc:.0f} ns a call, left out of C/block and python/block)")
     hdr = (f"  {'budget':<16} {'policy':<6} {'hooks/block':>11} {'C/block':>9} {'python/block':>12} "
            f"{'pass/block':>10} {'acq/pass':>8} {'spw_acquire ns med/p90/max':>28} {'views built':>11} "
            f"{'moved/pass':>10}")
@@ -362,12 +367,12 @@ def main() -> None:
         for bname in a.budgets.split(","):
             budget = budgets[bname]
             plain = run_one(a, model, x, ref, budget, policy, _offload._lib_c)
-            t = run_one(a, model, x, ref, budget, policy, Timers(_offload._lib_c))
+            t = run_one(a, model, x, ref, budget, policy, Timers(_offload._lib_c), wc)
             hook, c_ns = plain["hook_ns"], t["c_ns"]
             acq = t["acq_ns"]
             pct = f"{acq[len(acq) // 2]}/{acq[int(len(acq) * 0.9)]}/{acq[-1]}"
             label = f"{bname} {budget / MIB:.0f}MiB"
-            print(f"  {label:<16} {policy:<6} {hook / 1e3:9.2f}us {c_ns / 1e3:7.2f}us {(hook - c_ns) / 1e3:10.2f}us "
+            print(f"  {label:<16} {policy:<6} {hook / 1e3:9.2f}us {c_ns / 1e3:7.2f}us {t['py_ns'] / 1e3:10.2f}us "
                   f"{(plain['ms'] - res_ms) * 1e3 / a.layers:8.2f}us {plain['acquires']:8.1f} {pct:>28} "
                   f"{plain['view_builds']:11d} {plain['moved'] / MIB:7.1f}MiB")
             if bname == "all" and not a.cuda:
