@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import weakref
+from typing import Optional
 
 import pytest
 import torch
@@ -337,6 +338,93 @@ def test_out_of_memory_during_forward_is_torch_oom(tmp_path):
     off.remove()
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert events
+
+
+class Slicer(nn.Module):
+    """Returns views of its own weight (a position table): alone, in a tuple, or in a dict."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 64))
+        self.kind = kind
+
+    def forward(self, i: int):
+        if self.kind == "tensor":
+            return self.table[i]
+        if self.kind == "tuple":
+            return self.table[i], self.table[i + 1] * 2  # a view and a fresh tensor
+        return {"row": self.table[i]}
+
+
+class Tables(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Slicer(kind) for _ in range(3))
+
+    def forward(self, i: int):
+        return [b(i) for b in self.blocks]
+
+
+def flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in flat(v)]
+    return [t for x in out for t in flat(x)]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
+def test_outputs_viewing_a_released_unit_are_copies(kind):
+    """A module output that views the unit its forward hook releases is replaced by a copy:
+    nothing returned points into device memory that a later eviction reuses."""
+    torch.manual_seed(0)
+    m = frozen(Tables(kind))
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    for step in range(3):
+        got, want = m(step), ref(step)
+        for g, w in zip(got, want):
+            assert same(flat(g), flat(w))
+        ranges = [(p, p + u.nbytes) for u in off.units for p in u.views]
+        assert ranges
+        for t in flat(got):
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+    assert off.stats()["offload"]["outputs_cloned"] == 3 * len(m.blocks)  # one view per output
+    off.remove()
+
+
+class Big(nn.Module):
+    def __init__(self, shared: Optional[nn.Parameter] = None) -> None:
+        super().__init__()
+        self.own = nn.Parameter(torch.randn(300_000))  # 1.2 MB: two such units do not fit 2 MiB
+        self.shared = shared
+
+    def forward(self, x):
+        s = self.own[:x.shape[-1]]
+        if self.shared is not None:
+            s = s * self.shared[:x.shape[-1]]
+        return x * s
+
+
+def test_failed_acquire_in_a_hook_releases_what_the_hook_acquired():
+    """A block needing two units (its own and the one holding a weight it shares) that cannot
+    have both: its pre-hook raises torch's OOM and gives back the unit it did acquire, so the
+    next call still runs under the budget."""
+    torch.manual_seed(0)
+    first = Big()
+    m = frozen(nn.ModuleList([first, Big(shared=first.own)]))
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="2MiB", **EMU)  # an acquired unit is never evicted
+    assert [len(off._needs[id(b)]) for b in m] == [1, 2]
+    x = torch.randn(2, 8)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        m[1](x)
+    assert off.stats()["pinned"]["current"] == 0
+    for u in off.units:  # every tensor points at its host copy again
+        lo = u.pack.data_ptr()
+        assert all(lo <= e.tensor.data_ptr() < lo + u.pack.numel() for e in u.entries)
+    assert torch.equal(m[0](x), ref[0](x))
+    off.remove()
 
 
 # ---- bad input: a clear exception, the module unchanged ----

@@ -246,12 +246,16 @@ class Offload:
         self._saved_hooks: Optional[Any] = None
         self._devptr = ctypes.c_void_p()
         self._devptr_ref = ctypes.byref(self._devptr)
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._dev_index = self.device.index if self.device.index is not None else 0
+        # What the hot path calls, bound once. Read from _lib_c here, at offload(): a stand-in set
+        # before then is what the hooks call (bench/dev/hook_cost.py times the C calls so).
+        self._c_acquire = _lib_c.spw_acquire
+        self._c_release = _lib_c.spw_release
+        self._c_sync = _lib_c.spw_stream_synchronize if self._emu else None
+        self._raw_stream = self._stream_function()
         self.hook_ns = 0
         self.acquires = 0
         self.view_builds = 0
-        self.view_hits = 0
         self.steps = 0
         self.saved_packed = 0
         self.saved_reacquires = 0
@@ -292,6 +296,7 @@ class Offload:
         u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
         u.handle = u.buf.handle
         u.pack = raw
+        u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries)
         for e in u.entries:
             e.tensor.data = e.host_view
 
@@ -343,17 +348,28 @@ class Offload:
         module.forward = forward  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ hot path
-    def _stream(self) -> Optional[int]:
+    # Each block costs a pre-hook and a forward hook per forward, on the host, before its kernels
+    # are enqueued. So an acquire is one ctypes call (two on emu), a view lookup and one .data
+    # assignment per tensor, and a release the reverse: the functions are bound at offload(), a
+    # unit's (tensor, view) pairs are tuples built once per device address, and the hooks
+    # allocate nothing for a unit of parameters whose module returns one tensor.
+    def _stream_function(self) -> Any:
+        """index -> the raw stream acquires run on: torch's current stream of that device on
+        CUDA (0 is the legacy default stream, passed as NULL), NULL on emu."""
         if self._emu:
-            return None
-        if self._raw_stream is not None:
-            return self._raw_stream(self._dev_index) or None
-        return torch.cuda.current_stream(self.device).cuda_stream or None
+            return lambda index: 0
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw
+        return lambda index: torch.cuda.current_stream(index).cuda_stream
 
-    def _views(self, u: _Unit, ptr: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def _stream(self) -> Optional[int]:
+        return self._raw_stream(self._dev_index) or None
+
+    def _views(self, u: _Unit, ptr: int) -> Tuple[torch.Tensor, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]:
+        """(a uint8 tensor over the unit at device address ptr, (entry tensor, its view) pairs)."""
         hit = u.views.get(ptr)
         if hit is not None:
-            self.view_hits += 1
             return hit
         self.view_builds += 1
         with torch.inference_mode(False):  # cached views must be normal tensors, usable with autograd later
@@ -361,40 +377,55 @@ class Offload:
                 base = torch.frombuffer((ctypes.c_uint8 * u.nbytes).from_address(ptr), dtype=torch.uint8)
             else:
                 base = torch.as_tensor(_CudaMemory(ptr, u.nbytes), device=self.device)
-            views = [self._typed(base, e.offset, e.nbytes, e.dtype, e.shape) for e in u.entries]
+            pairs = tuple((e.tensor, self._typed(base, e.offset, e.nbytes, e.dtype, e.shape)) for e in u.entries)
         if len(u.views) >= _VIEW_CACHE:
             u.views.popitem(last=False)
-        u.views[ptr] = (base, views)
-        return base, views
+        hit = u.views[ptr] = (base, pairs)
+        return hit
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
-        st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
-        if st == _lib.Status.ERR_OUT_OF_MEMORY and _alloc.release_torch_cache(self.context):
-            st = _lib_c.spw_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+        st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
         if st:
-            err = error_for(st)
-            if isinstance(err, _errors.OutOfMemoryError):
-                raise OutOfMemoryError(err.message) from None
-            raise err
+            self._acquire_failed(u, stream, st)
         ptr = self._devptr.value
-        if self._emu:
-            st = _lib_c.spw_stream_synchronize(self._ctx_handle, None)
+        if self._c_sync is not None:
+            st = self._c_sync(self._ctx_handle, None)
             if st:
-                _lib_c.spw_release(u.handle, None)
+                self._c_release(u.handle, None)
                 raise error_for(st)
         self.acquires += 1
         return ptr
+
+    def _acquire_failed(self, u: _Unit, stream: Optional[int], st: int) -> None:
+        """After spw_acquire returned st: out of device memory while PyTorch's allocator (under
+        use_allocator) holds cached blocks of the same context is retried once after releasing
+        them; returns when the retry succeeded, else raises (spillway.torch.OutOfMemoryError for
+        out of memory)."""
+        if st == _lib.Status.ERR_OUT_OF_MEMORY and _alloc.release_torch_cache(self.context):
+            st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+            if not st:
+                return
+        err = error_for(st)
+        if isinstance(err, _errors.OutOfMemoryError):
+            raise OutOfMemoryError(err.message) from None
+        raise err
 
     def _acquire(self, u: _Unit) -> None:
         if u.refs:
             u.refs += 1
             return
-        stream = self._stream()
+        stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
-        _, views = self._views(u, ptr)
-        for e, v in zip(u.entries, views):
-            e.tensor.data = v
+        hit = u.views.get(ptr)
+        if hit is None:
+            try:
+                hit = self._views(u, ptr)
+            except BaseException:
+                self._c_release(u.handle, stream)
+                raise
+        for t, v in hit[1]:
+            t.data = v
         if u.buffer_entries:
             u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
         u.stream = stream
@@ -403,54 +434,75 @@ class Offload:
         self._acquired[ptr] = u
 
     def _release(self, u: _Unit) -> None:
-        if u.refs > 1:
-            u.refs -= 1
-            return
-        if u.refs <= 0:
+        refs = u.refs
+        if refs != 1:
+            if refs > 1:
+                u.refs = refs - 1
             return
         if u.buffer_entries:
-            for e, ver in u.versions:
-                if e.tensor._version != ver:  # modified in place: keep the host copy current
-                    with torch.no_grad():
-                        e.host_view.copy_(e.tensor.data)
-                    self.buffer_writebacks += 1
-        for e in u.entries:
-            e.tensor.data = e.host_view
+            self._write_back(u)
+        for t, h in u.host_pairs:
+            t.data = h
         u.refs = 0
         self._acquired.pop(u.devptr, None)
-        st = _lib_c.spw_release(u.handle, u.stream)
+        st = self._c_release(u.handle, u.stream)
         if st:
             raise error_for(st)
 
+    def _write_back(self, u: _Unit) -> None:
+        for e, ver in u.versions:
+            if e.tensor._version != ver:  # modified in place: keep the host copy current
+                with torch.no_grad():
+                    e.host_view.copy_(e.tensor.data)
+                self.buffer_writebacks += 1
+
     def _make_pre(self, units: List[_Unit]) -> Any:
+        units_t = tuple(units)
+        acquire = self._acquire
+        clock = time.perf_counter_ns
+
         def pre_hook(mod: nn.Module, args: Any) -> None:
-            t0 = time.perf_counter_ns()
-            done = []
+            t0 = clock()
+            done = 0
             try:
-                for u in units:
-                    self._acquire(u)
-                    done.append(u)
+                for u in units_t:
+                    acquire(u)
+                    done += 1
             except BaseException:
-                for u in reversed(done):
+                for u in reversed(units_t[:done]):
                     self._release(u)
                 raise
             finally:
-                self.hook_ns += time.perf_counter_ns() - t0
+                self.hook_ns += clock() - t0
 
         return pre_hook
 
     def _make_post(self, units: List[_Unit]) -> Any:
+        units_t = tuple(units)
+        backwards = units_t[::-1]
+        release = self._release
+        clock = time.perf_counter_ns
+        tensor = torch.Tensor
+
         def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             try:
-                ending = [u for u in units if u.refs == 1]
-                if ending:
-                    output = self._own_output(output, ending, 0)
-                for u in reversed(units):
-                    self._release(u)
+                if isinstance(output, tensor):  # the common case, without the generic walk
+                    p = output.data_ptr()
+                    for u in units_t:
+                        if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
+                            self.outputs_cloned += 1
+                            output = output.clone()
+                            break
+                else:
+                    ending = [u for u in units_t if u.refs == 1]
+                    if ending:
+                        output = self._own_output(output, ending, 0)
+                for u in backwards:
+                    release(u)
                 return output
             finally:
-                self.hook_ns += time.perf_counter_ns() - t0
+                self.hook_ns += clock() - t0
 
         return post_hook
 
@@ -543,7 +595,7 @@ class Offload:
             flat = base[s.offset:s.offset + s.span].view(s.dtype)
             out = flat.as_strided(s.size, s.stride).clone()
         finally:
-            st = _lib_c.spw_release(u.handle, stream)
+            st = self._c_release(u.handle, stream)
         if st:
             raise error_for(st)
         self.saved_reacquires += 1
@@ -589,7 +641,7 @@ class Offload:
         return {
             "hook_ns": self.hook_ns,
             "acquires": self.acquires,
-            "view_hits": self.view_hits,
+            "view_hits": self.acquires - self.view_builds,  # each acquire looks its views up once
             "view_builds": self.view_builds,
             "steps": self.steps,
             "saved_packed": self.saved_packed,
@@ -642,7 +694,7 @@ class Offload:
             f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
             f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
             f"  hooks             {self.acquires} acquires, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us "
-            f"host time per acquire, views reused {self.view_hits} / built {self.view_builds}",
+            f"host time per acquire, views reused {self.acquires - self.view_builds} / built {self.view_builds}",
             "",
             self.context.summary(),
         ]
@@ -683,6 +735,7 @@ class Offload:
                     fresh.copy_(e.host_view)
                 e.tensor.data = fresh
                 e.host_view = None
+            u.host_pairs = ()
             u.views.clear()
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)

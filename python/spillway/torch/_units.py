@@ -56,6 +56,9 @@ class _Entry:
 class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
+    __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
+                 "stream", "devptr", "versions", "host_pairs", "views")
+
     def __init__(self, name: str, index: int) -> None:
         self.name = name
         self.index = index
@@ -69,7 +72,11 @@ class _Unit:
         self.stream: Optional[int] = None
         self.devptr = 0
         self.versions: List[Tuple[_Entry, int]] = []
-        self.views: "collections.OrderedDict[int, Tuple[torch.Tensor, List[torch.Tensor]]]" = collections.OrderedDict()
+        # (entry.tensor, its host view) for each entry: what release points the tensors back at
+        self.host_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+        # device address -> (a uint8 tensor over the whole unit, (entry.tensor, its view) pairs)
+        self.views: "collections.OrderedDict[int, Tuple[torch.Tensor, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]]" = \
+            collections.OrderedDict()
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)
