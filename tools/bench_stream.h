@@ -41,7 +41,8 @@ typedef struct bs_run { /* one spillway run (one policy) */
     const char *policy;
     double *pass_ms;            /* per pass */
     uint64_t *pass_h2d, *pass_d2h;
-    double pass_ms_median, bytes_per_pass;
+    double pass_ms_median, bytes_per_pass; /* over the steady passes (BS_STEADY_FROM) */
+    double pass_ms_all;                    /* median over every pass after the first */
     bool completed;             /* every pass ran and the outputs were read back */
     bool ok, bitwise;           /* ok: completed and correct */
     long prefetch;              /* prefetch depth used (see effective_prefetch) */
@@ -81,6 +82,10 @@ void bs_generate(bench *B);
 int bs_host_reference(bench *B);
 /* Refuse a degenerate reference (all zeros, not finite): it would validate nothing. */
 int bs_check_reference(const bench *B);
+/* The passes every figure is taken over: the second half, the steady state. The first half
+ * holds what a policy pays to learn (plan records a step, then times its pipelines over nine),
+ * as the split's search of every k is left out of its figures. */
+#define BS_STEADY_FROM(P) ((P) > 1 ? (P) / 2 : 0)
 /* Median of v[from..n) (v[0..n) if from >= n). */
 double bs_median_from(const double *v, size_t n, size_t from);
 /* One spillway run with r->policy: 0 done and correct, 1 failure or wrong result, 2 a

@@ -474,10 +474,12 @@ int bs_run_policy(bench *B, bs_run *r, bool last) {
     snprintf(what, sizeof what, "pass %ld of %ld", P, P);
     if (read_back(B, &S, S.act[N % 2], B->out) || compare(B, B->out, what, r)) goto out;
     r->ok = true;
-    r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, 1);
+    long from = BS_STEADY_FROM(P);
+    r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, (size_t)from);
+    r->pass_ms_all = bs_median_from(r->pass_ms, (size_t)P, 1);
     double sum = 0;
-    for (long p = P > 1 ? 1 : 0; p < P; p++) sum += (double)(r->pass_h2d[p] + r->pass_d2h[p]);
-    r->bytes_per_pass = sum / (double)(P > 1 ? P - 1 : 1);
+    for (long p = from; p < P; p++) sum += (double)(r->pass_h2d[p] + r->pass_d2h[p]);
+    r->bytes_per_pass = sum / (double)(P - from);
     if (last && B->o.summary) spw_summary(S.ctx, B->o.json ? stderr : stdout);
     rc = 0;
 #ifdef SPW_HAVE_CUDA
