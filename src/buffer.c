@@ -429,7 +429,8 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
      * stall: counted, and timed on s itself (no host blocking). */
     void *stall = NULL;
     if (b->xfer && b->dev_touched && b->dev_s != s) {
-        spw_status q = b->dev_rec ? OPS(ctx)->event_query(BE(ctx), b->ev_dev) : SPW_ERR_NOT_READY;
+        /* a transfer enqueued by this very call is still running: no need to ask */
+        spw_status q = b->dev_rec && !fresh ? OPS(ctx)->event_query(BE(ctx), b->ev_dev) : SPW_ERR_NOT_READY;
         if (q == SPW_OK) {
             b->xfer = false;
         } else {

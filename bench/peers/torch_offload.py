@@ -895,9 +895,9 @@ def main():
     p.add_argument("--tokens", type=int, default=None, help="decode: new tokens (default 64; smoke 8)")
     p.add_argument("--accel-tokens", type=int, default=4, help="decode tokens timed for accelerate")
     p.add_argument("--passes", type=int, default=6, help="(a): passes per batch, first is validation")
-    p.add_argument("--warmup", type=int, default=8,
+    p.add_argument("--warmup", type=int, default=12,
                    help="untimed passes after the validation one, for every variant but accelerate's "
-                        "(plan learns in its first step and times its pipelines in the next six)")
+                        "(plan learns in its first step and times its three pipelines over the next nine)")
     p.add_argument("--prefill-passes", type=int, default=3, help="(b) prefill: passes, first is validation")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")
     p.add_argument("--search-passes", type=int, default=2, help="(a) static split: timed passes per candidate")
