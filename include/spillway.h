@@ -277,6 +277,14 @@ SPW_API spw_status spw_torch_configure(const char *conf);
  * only at the budget, when cached memory is released (the streams that used it are synchronized
  * first); otherwise never. */
 SPW_API void *spw_torch_alloc(size_t size, int device, spw_stream stream);
+/* A function that gives cached memory back to spillway: PyTorch keeps freed tensors' segments
+ * cached in its own pool, where only PyTorch can release them, and it skips its own release and
+ * retry while a pool is routed to. When set, an allocation refused under the budget calls
+ * reclaim(device) and, if it returns nonzero, tries once more. It is called on the allocating
+ * thread with no spillway lock held (so it may free spillway memory), never re-entered on a thread
+ * already inside it (an allocation it makes itself is refused plainly). NULL unsets it. */
+typedef int (*spw_torch_reclaim_fn)(int device);
+SPW_API void spw_torch_set_reclaim(spw_torch_reclaim_fn reclaim);
 /* free_fn: ptr from spw_torch_alloc(size, device, ...), whose last use is ordered on stream (the
  * allocation's stream, as PyTorch passes it). Streams named by spw_torch_record_stream are waited
  * for (stream-ordered: the device waits, the host does not) before the block can be reused.

@@ -207,6 +207,21 @@ SPW_API spw_status spw_torch_configure(const char *conf) {
     return st;
 }
 
+static _Atomic(spw_torch_reclaim_fn) g_reclaim;
+static _Thread_local int in_reclaim;
+
+SPW_API void spw_torch_set_reclaim(spw_torch_reclaim_fn reclaim) { atomic_store(&g_reclaim, reclaim); }
+
+/* Ask the reclaim function for cached memory; true when the allocation is worth trying again. */
+static bool reclaim_for(int device) {
+    spw_torch_reclaim_fn fn = atomic_load(&g_reclaim);
+    if (!fn || in_reclaim) return false;
+    in_reclaim = 1;
+    int freed = fn(device);
+    in_reclaim = 0;
+    return freed != 0;
+}
+
 static void record_oom(int device) {
     pthread_mutex_lock(&g_lock);
     snprintf(g_dev[device].oom_msg, sizeof g_dev[device].oom_msg, "device %d: %s", device, spw_last_error());
@@ -224,6 +239,7 @@ SPW_API void *spw_torch_alloc(size_t size, int device, spw_stream stream) {
     if (get_ctx(device, 1, &ctx)) return NULL;
     void *p = NULL;
     spw_status st = spw_malloc(ctx, size, stream, &p);
+    if (SPW_UNLIKELY(st == SPW_ERR_OUT_OF_MEMORY) && reclaim_for(device)) st = spw_malloc(ctx, size, stream, &p);
     if (SPW_UNLIKELY(st)) {
         if (st == SPW_ERR_OUT_OF_MEMORY) record_oom(device);
         return NULL;

@@ -97,6 +97,47 @@ static void per_device_contexts(void **s) {
     assert_null(c5);
 }
 
+/* The reclaim hook: a refusal first asks it for memory (here: a "cache" of the caller's own
+ * segments, freed by the hook, as PyTorch's pool would be) and tries again; the hook runs with no
+ * spillway lock held (it frees), is not re-entered by its own allocations, and is not called when
+ * the allocation fits. */
+static void *g_cached[4];
+static size_t g_cached_n;
+static int g_calls, g_nested;
+
+static int reclaim_cache(int device) {
+    g_calls++;
+    if (spw_torch_alloc(7 * MiB, device, NULL) == NULL) g_nested++; /* refused plainly, no recursion */
+    size_t n = g_cached_n;
+    for (size_t i = 0; i < g_cached_n; i++) spw_torch_free(g_cached[i], 2 * MiB, device, NULL);
+    g_cached_n = 0;
+    return n > 0;
+}
+
+static void reclaim_hook(void **s) {
+    (void)s;
+    spw_torch_set_reclaim(reclaim_cache);
+    g_calls = g_nested = 0;
+    for (g_cached_n = 0; g_cached_n < 3; g_cached_n++) {
+        g_cached[g_cached_n] = spw_torch_alloc(2 * MiB, 0, NULL);
+        assert_non_null(g_cached[g_cached_n]);
+    }
+    assert_int_equal(g_calls, 0); /* fits: the hook is not asked */
+    void *big = spw_torch_alloc(6 * MiB, 0, NULL); /* 6 MiB held of 8: refused, reclaimed, retried */
+    assert_non_null(big);
+    assert_int_equal(g_calls, 1);
+    assert_int_equal(g_nested, 1);
+    assert_int_equal(spw_torch_oom_pending(0), 0);
+    assert_null(spw_torch_alloc(4 * MiB, 0, NULL)); /* nothing left to reclaim: refused */
+    assert_int_equal(g_calls, 2);
+    assert_int_equal(spw_torch_oom_count(0), 3); /* the two nested refusals and this one */
+    spw_torch_set_reclaim(NULL);
+    assert_null(spw_torch_alloc(4 * MiB, 0, NULL));
+    assert_int_equal(g_calls, 2); /* unset */
+    spw_torch_free(big, 6 * MiB, 0, NULL);
+    assert_int_equal(test_stats(ctx_of(0)).live.current, 0);
+}
+
 static void budget_and_oom_message(void **s) {
     (void)s;
     void *a = spw_torch_alloc(6 * MiB, 0, NULL);
@@ -320,6 +361,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(sizes, setup, teardown),
         cmocka_unit_test_setup_teardown(per_device_contexts, setup, teardown),
         cmocka_unit_test_setup_teardown(budget_and_oom_message, setup, teardown),
+        cmocka_unit_test_setup_teardown(reclaim_hook, setup, teardown),
         cmocka_unit_test_setup_teardown(null_and_double_free, setup, teardown),
         cmocka_unit_test_setup_teardown(stream_reuse, setup, teardown),
         cmocka_unit_test_setup_teardown(record_stream_orders_reuse, setup, teardown),

@@ -101,6 +101,8 @@ stream_t = ctypes.c_void_p
 FILE_p = ctypes.c_void_p
 status_t = ctypes.c_int
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+#: spw_torch_reclaim_fn: int (*)(int device)
+RECLAIM_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 
 # name -> (restype, argtypes). Keep in the header's order.
 _SIGNATURES = {
@@ -148,6 +150,7 @@ _SIGNATURES = {
     "spw_step_end": (status_t, [ctx_p]),
     "spw_torch_configure": (status_t, [ctypes.c_char_p]),
     "spw_torch_alloc": (ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, stream_t]),
+    "spw_torch_set_reclaim": (None, [RECLAIM_FN]),
     "spw_torch_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, stream_t]),
     "spw_torch_init": (None, [ctypes.c_int]),
     "spw_torch_reset": (None, []),

@@ -253,3 +253,33 @@ def test_pool_mode_retires_only_pools_no_with_routes_to(routed):
     spt.empty_cache()
     assert calls == [("release", 1, (0, 2)), ("empty_cache",)]
     assert list(a._pools) == [0]  # device 1 gets a new pool at its next `with`
+
+
+def test_a_refused_segment_reclaims_pytorchs_cache_and_is_retried(routed, monkeypatch):
+    """spw_torch_set_reclaim: the segment that hits the budget calls back into Python, which
+    empties PyTorch's cache (here: segments this test holds as "cached"), and is then allocated;
+    with nothing to give back, or a pool that is not freeable, it is refused as before."""
+    a, calls, _ = routed
+    cached = [talloc(2 * MiB, 0) for _ in range(3)]
+    assert all(cached)
+
+    def empty_cache():
+        calls.append(("empty_cache",))
+        while cached:
+            tfree(cached.pop(), 2 * MiB, 0)
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * MiB * len(cached), raising=False)
+    _lib.lib.spw_torch_set_reclaim(_alloc._reclaim_cb)
+    try:
+        a._freeable = set()
+        assert talloc(6 * MiB, 0) == 0  # the pool is not freeable yet: PyTorch would keep its cache
+        assert len(cached) == 3 and ("empty_cache",) not in calls
+        a._freeable = {0}
+        p = talloc(6 * MiB, 0)
+        assert p and cached == [] and calls[-1] == ("empty_cache",)
+        assert _lib.lib.spw_torch_oom_pending(0) == 0
+        assert talloc(4 * MiB, 0) == 0  # nothing cached any more: refused
+    finally:
+        _lib.lib.spw_torch_set_reclaim(_lib.RECLAIM_FN(0))
+    tfree(p, 6 * MiB, 0)

@@ -28,6 +28,11 @@ How it is wired (PyTorch 2.11), and why:
   when the cache is emptied outside `with`. PyTorch's ~MemPool releases the pool once more, which
   would underflow the use count of a freeable pool: every pool object is kept alive for the life
   of the process.
+- A segment refused under the budget first calls back into Python (spw_torch_set_reclaim): once
+  the pool is freeable, torch.cuda.empty_cache() gives PyTorch's cached blocks back and spillway
+  tries the segment again, so the allocation that hit the budget succeeds where the default
+  allocator's own free-and-retry would have. The callback runs on the allocating thread inside
+  PyTorch's allocator, whose lock is recursive.
 - CUDA graph capture where the routing applies fails at once (see use_allocator).
 """
 from __future__ import annotations
@@ -174,6 +179,24 @@ def _oom_observer(device: int, alloc: int, device_allocated: int, device_free: i
     raise err
 
 
+def _reclaim(device: int) -> int:
+    """spillway's reclaim hook: a segment for device was refused under the budget. Give back
+    PyTorch's cached blocks of the freeable pools; 1 (try again) when PyTorch's reserved memory
+    on device went down. Never raises: ctypes would only print the exception."""
+    try:
+        a = _active
+        if a is None or not a.routed or (a.mode == "global" and device not in a._freeable):
+            return 0
+        before = torch.cuda.memory_reserved(device)
+        torch.cuda.empty_cache()
+        return 1 if torch.cuda.memory_reserved(device) < before else 0
+    except BaseException:  # noqa: BLE001 - the refusal stands; PyTorch reports it
+        return 0
+
+
+_reclaim_cb = _lib.RECLAIM_FN(_reclaim)  # referenced for the life of the process (C keeps the pointer)
+
+
 def _oom_error(device: int, alloc: Optional[int]) -> Exception:
     from ._offload import OutOfMemoryError  # one class for every spillway.torch OOM
 
@@ -249,6 +272,7 @@ class Allocator:
         alloc_fn = ctypes.cast(_lib_c.spw_torch_alloc, ctypes.c_void_p).value
         free_fn = ctypes.cast(_lib_c.spw_torch_free, ctypes.c_void_p).value
         self._pluggable = torch._C._cuda_customAllocator(alloc_fn, free_fn)
+        _lib_c.spw_torch_set_reclaim(_reclaim_cb)
         _attach_observer()
         _install_graph_guard()
         if mode == "global":
