@@ -228,7 +228,8 @@ def llama(layers=8):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=16,
-                      num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+                      num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096,
+                      attn_implementation="eager")  # no fused attention: the same kernels every run
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(torch.float16).eval()
 
