@@ -133,6 +133,7 @@ def case_record_stream(a):
 
 
 def case_empty_cache(a):
+    base = spt.memory_allocated()  # what earlier cases in this process still hold
     with Region(a):
         x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
         x.fill_(1)
@@ -141,7 +142,7 @@ def case_empty_cache(a):
     before = spt.memory_reserved()
     torch_before = torch.cuda.memory_reserved()
     spt.empty_cache()
-    report(before=before, after=spt.memory_reserved(), torch_before=torch_before,
+    report(base=base, before=before, after=spt.memory_reserved(), torch_before=torch_before,
            torch_after=torch.cuda.memory_reserved())
 
 
