@@ -108,6 +108,11 @@ def case_oom(a):
                            backward_has_message="budget" in str(e))
             xs = None
         # still usable afterwards
+        from spillway.torch import _alloc
+
+        out["before_z"] = dict(reserved=torch.cuda.memory_reserved(), allocated=torch.cuda.memory_allocated(),
+                               inactive=torch.cuda.memory_stats().get("inactive_split_bytes.all.current"),
+                               reclaims=dict(_alloc._reclaims))
         z = torch.ones(64 * MiB // 4, device="cuda") * 2
         out["after_sum"] = float(z.sum().item()) + float(keep[0].item())
     report(**out, **mem(a))

@@ -179,17 +179,25 @@ def _oom_observer(device: int, alloc: int, device_allocated: int, device_free: i
     raise err
 
 
+#: reclaim hook calls and how many of them gave memory back (what memory_summary reports)
+_reclaims = {"calls": 0, "freed": 0}
+
+
 def _reclaim(device: int) -> int:
     """spillway's reclaim hook: a segment for device was refused under the budget. Give back
     PyTorch's cached blocks of the freeable pools; 1 (try again) when PyTorch's reserved memory
     on device went down. Never raises: ctypes would only print the exception."""
+    _reclaims["calls"] += 1
     try:
         a = _active
         if a is None or not a.routed or (a.mode == "global" and device not in a._freeable):
             return 0
         before = torch.cuda.memory_reserved(device)
         torch.cuda.empty_cache()
-        return 1 if torch.cuda.memory_reserved(device) < before else 0
+        if torch.cuda.memory_reserved(device) >= before:
+            return 0
+        _reclaims["freed"] += 1
+        return 1
     except BaseException:  # noqa: BLE001 - the refusal stands; PyTorch reports it
         return 0
 
@@ -560,7 +568,8 @@ def memory_summary(device: Any = None) -> str:
         f"{s['buffers_host']['current']} units on the host only",
         f"  cached            {format_size(s['cached']['current'])}",
         f"  evictions         {s['evictions_clean']['total'] + s['evictions_dirty']['total']}, "
-        f"refusals {int(_lib_c.spw_torch_oom_count(idx))}",
+        f"refusals {int(_lib_c.spw_torch_oom_count(idx))}, PyTorch's cache reclaimed {_reclaims['freed']} of "
+        f"{_reclaims['calls']} times asked",
         "",
         ctx.summary(),
     ]
