@@ -88,6 +88,8 @@ int bs_check_reference(const bench *B);
 #define BS_STEADY_FROM(P) ((P) > 1 ? (P) / 2 : 0)
 /* Median of v[from..n) (v[0..n) if from >= n). */
 double bs_median_from(const double *v, size_t n, size_t from);
+/* r->pass_ms_median (the steady passes) and r->pass_ms_all from r->pass_ms[0..P). */
+void bs_pass_medians(bs_run *r, long P);
 /* One spillway run with r->policy: 0 done and correct, 1 failure or wrong result, 2 a
  * configuration error (the same for every run). `last`: the last run (prints --summary). */
 int bs_run_policy(bench *B, bs_run *r, bool last);

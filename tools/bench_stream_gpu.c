@@ -157,7 +157,7 @@ fail:
 
 int bs_ltimes_finish(bs_ltimes *t, const cudaEvent_t *pass_start, double **layer_ms) {
     if (!t->ev) return 0;
-    long from = t->P / 2, n = t->P - from;
+    long from = BS_STEADY_FROM(t->P), n = t->P - from;
     double *v = calloc((size_t)n, sizeof *v), *out = calloc((size_t)t->N, sizeof *out);
     if (!v || !out) goto fail;
     for (long l = 0; l < t->N; l++) {

@@ -177,6 +177,11 @@ double bs_median_from(const double *v, size_t n, size_t from) {
 }
 
 /* The emu reference: the host function, layer after layer. */
+void bs_pass_medians(bs_run *r, long P) {
+    r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, (size_t)BS_STEADY_FROM(P));
+    r->pass_ms_all = bs_median_from(r->pass_ms, (size_t)P, 1);
+}
+
 int bs_host_reference(bench *B) {
     size_t n = (size_t)B->o.batch * B->K;
     uint16_t *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b);
@@ -474,9 +479,8 @@ int bs_run_policy(bench *B, bs_run *r, bool last) {
     snprintf(what, sizeof what, "pass %ld of %ld", P, P);
     if (read_back(B, &S, S.act[N % 2], B->out) || compare(B, B->out, what, r)) goto out;
     r->ok = true;
+    bs_pass_medians(r, P);
     long from = BS_STEADY_FROM(P);
-    r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, (size_t)from);
-    r->pass_ms_all = bs_median_from(r->pass_ms, (size_t)P, 1);
     double sum = 0;
     for (long p = from; p < P; p++) sum += (double)(r->pass_h2d[p] + r->pass_d2h[p]);
     r->bytes_per_pass = sum / (double)(P - from);

@@ -200,8 +200,7 @@ int bs_static_split(bench *B, bs_run *r) {
     if (bad)
         fprintf(stderr, "spillway bench stream: WRONG RESULT (static split k=%ld %s): %zu of %zu values "
                         "differ from the all-resident reference\n", r->split_k, r->split_placement, bad, n);
-    r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, (size_t)BS_STEADY_FROM(P));
-    r->pass_ms_all = bs_median_from(r->pass_ms, (size_t)P, 1);
+    bs_pass_medians(r, P);
     r->bytes_per_pass = (double)S.m * (double)B->layer_bytes;
     for (long p = 0; p < P; p++) r->pass_h2d[p] = (uint64_t)S.m * B->layer_bytes;
     r->prefetch = 1;

@@ -189,7 +189,7 @@ def _reclaim(device: int) -> int:
     on device went down. Never raises: ctypes would only print the exception."""
     _reclaims["calls"] += 1
     try:
-        a = _active
+        a = current()
         if a is None or not a.routed or (a.mode == "global" and device not in a._freeable):
             return 0
         before = torch.cuda.memory_reserved(device)
