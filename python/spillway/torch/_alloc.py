@@ -514,8 +514,7 @@ def reset_peak_memory_stats(device: Any = None) -> None:
     """Start the peaks of device's counters again from now (also PyTorch's, on CUDA)."""
     ctx = context(device)
     check(_lib_c.spw_stats_reset_peaks(ctx._live()))
-    a = current()
-    if a is not None and a.routed:
+    if _routed():
         torch.cuda.reset_peak_memory_stats(_device_index(device))
 
 
