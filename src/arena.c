@@ -280,7 +280,7 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
     if (p->vmm) {
         size_t reserve = SPW_ALIGN_UP(p->reserve_bytes, a->p.page);
         void *va = NULL;
-        spw_status st = a->be->ops->va_reserve(a->be, reserve, &va);
+        spw_status st = a->be->ops->va_reserve(a->be, reserve, a->p.page, &va);
         if (st) {
             free(a);
             return spw__error_prefix(st, "arena '%s': reserving %zu B of address space", p->name, reserve);

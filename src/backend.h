@@ -92,12 +92,15 @@ typedef struct spw_backend_ops {
     spw_status (*dev_alloc)(spw_backend *b, size_t bytes, void **out);
     spw_status (*dev_free)(spw_backend *b, void *ptr);
 
-    /* Virtual memory: reserve address space, then map physical memory into it in multiples of
-     * vmm_granularity. map creates the physical memory, maps it at va and grants the device
-     * read/write access; unmap releases any granule-aligned subrange of mapped memory (parts of one
-     * map or several). Callers finish all device work on a range before unmapping it. NULL when
-     * unsupported (device_info.vmm_supported == 0). */
-    spw_status (*va_reserve)(spw_backend *b, size_t bytes, void **va);
+    /* Virtual memory: reserve address space with a page size (0: vmm_granularity; else a
+     * power-of-two multiple of it), then map physical memory into it in multiples of that page.
+     * map creates one physical allocation per page, maps it at va and grants the device
+     * read/write access; unmap releases any page-aligned subrange of mapped memory (parts of one
+     * map or several). Larger pages mean fewer physical allocations under a buffer, and a copy
+     * is split at each one: on the H200, enqueuing a 416 MiB copy takes 84 us into 2 MiB pages,
+     * 16 us into 32 MiB pages. Callers finish all device work on a range before unmapping it.
+     * NULL when unsupported (device_info.vmm_supported == 0). */
+    spw_status (*va_reserve)(spw_backend *b, size_t bytes, size_t page, void **va);
     spw_status (*va_release)(spw_backend *b, void *va, size_t bytes);
     spw_status (*map)(spw_backend *b, void *va, size_t bytes);
     spw_status (*unmap)(spw_backend *b, void *va, size_t bytes);

@@ -35,12 +35,14 @@ typedef struct cu_fns {
     int vmm_ok;
 } cu_fns;
 
-/* One va_reserve: [base, base + bytes), bytes a multiple of the granularity. mapped[i] says
- * whether granule i is mapped, and handles[i] is then its physical allocation. */
+/* One va_reserve: [base, base + bytes), bytes a multiple of its page (a power-of-two multiple of
+ * the granularity). mapped[i] says whether page i is mapped, and handles[i] is then its physical
+ * allocation. */
 typedef struct cuda_resv {
     uintptr_t base;
     size_t bytes;
-    size_t granules;
+    size_t page;
+    size_t granules; /* pages */
     size_t mapped_count;
     CUmemGenericAllocationHandle *handles;
     unsigned char *mapped;
@@ -94,7 +96,7 @@ spw_status spw__cuda_bind(const cuda_backend *c);
 
 /* Decide whether VMM is usable; any failure just turns it off (vmm_supported 0). */
 void spw__cuda_probe_vmm(cuda_backend *c);
-spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va);
+spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, size_t page, void **va);
 spw_status spw__cuda_va_release(spw_backend *b, void *va, size_t bytes);
 spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes);
 spw_status spw__cuda_unmap(spw_backend *b, void *va, size_t bytes);

@@ -1,9 +1,10 @@
 /*
- * The cuda backend's virtual memory: reservations, and granules mapped and unmapped through the
- * driver's VMM entry points (resolved at run time in backend_cuda.c). map creates one physical
- * allocation per granule and maps each separately, so that unmap may take back any
- * granule-aligned subrange of mapped memory (cuMemUnmap cannot split a mapping). Per
- * reservation, an array indexed by granule holds the handles.
+ * The cuda backend's virtual memory: reservations, and pages mapped and unmapped through the
+ * driver's VMM entry points (resolved at run time in backend_cuda.c). Each reservation has its
+ * page size (the granularity or a power-of-two multiple). map creates one physical allocation
+ * per page and maps each separately, so that unmap may take back any page-aligned subrange of
+ * mapped memory (cuMemUnmap cannot split a mapping). Per reservation, an array indexed by page
+ * holds the handles.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -62,10 +63,15 @@ static spw_status vmm_unsupported(const cuda_backend *c, const char *op) {
                       op, c->base.device);
 }
 
-spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
+spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, size_t page, void **va) {
     cuda_backend *c = as_cuda(b);
     if (!c->vmm_supported) return vmm_unsupported(c, "va_reserve");
-    size_t g = c->granularity;
+    size_t g = page ? page : c->granularity;
+    if (g % c->granularity || (g & (g - 1)))
+        return spw__error(SPW_ERR_INVALID_ARGUMENT,
+                          "cuda: va_reserve(%zu B, page %zu B): the page must be a power-of-two "
+                          "multiple of the granularity %zu B",
+                          bytes, page, c->granularity);
     if (!va || bytes == 0 || bytes > SIZE_MAX - g)
         return spw__error(SPW_ERR_INVALID_ARGUMENT, "cuda: va_reserve(%zu B): bad size or NULL out",
                           bytes);
@@ -80,8 +86,7 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
     if (!r || !r->handles || !r->mapped) {
         free_resv(r);
         return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
-                          "cuda: va_reserve(%zu B): no host memory for %zu granule records", bytes,
-                          n);
+                          "cuda: va_reserve(%zu B): no host memory for %zu page records", bytes, n);
     }
     CUdeviceptr p = 0;
     CUresult res = c->cu.address_reserve(&p, rounded, g, 0, 0);
@@ -92,6 +97,7 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
     }
     r->base = (uintptr_t)p;
     r->bytes = rounded;
+    r->page = g;
     r->granules = n;
     pthread_mutex_lock(&c->lock);
     r->next = c->resv;
@@ -101,11 +107,11 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, void **va) {
     return SPW_OK;
 }
 
-/* Unmap and release granules [first, first + count) of r, all mapped. Returns the first error;
- * granules whose unmap failed stay recorded as mapped. Called with c->lock held. */
+/* Unmap and release pages [first, first + count) of r, all mapped. Returns the first error;
+ * pages whose unmap failed stay recorded as mapped. Called with c->lock held. */
 static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, size_t count) {
     spw_status st = SPW_OK;
-    size_t g = c->granularity;
+    size_t g = r->page;
     for (size_t i = first; i < first + count; i++) {
         CUdeviceptr addr = (CUdeviceptr)(r->base + i * g);
         CUresult res = c->cu.unmap(addr, g);
@@ -120,27 +126,27 @@ static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, si
         res = c->cu.release(r->handles[i]);
         r->handles[i] = 0;
         if (res != CUDA_SUCCESS && st == SPW_OK)
-            st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemRelease(granule at 0x%llx)",
+            st = spw__cuda_cu_fail(c, SPW_ERR_BACKEND, res, "cuMemRelease(page at 0x%llx)",
                                    (unsigned long long)addr);
     }
     return st;
 }
 
-/* Check that [va, va + bytes) is granule-aligned and inside one reservation; sets *r, *first,
- * *count. Called with c->lock held. */
+/* Check that [va, va + bytes) is inside one reservation and aligned to its page; sets *r,
+ * *first, *count (in pages). Called with c->lock held. */
 static spw_status locate(cuda_backend *c, const char *op, void *va, size_t bytes, cuda_resv **r,
                          size_t *first, size_t *count) {
-    size_t g = c->granularity;
     uintptr_t a = (uintptr_t)va;
-    if (!va || bytes == 0 || a % g != 0 || bytes % g != 0)
-        return spw__error(SPW_ERR_INVALID_ARGUMENT,
-                          "cuda: %s(%p, %zu B): address and size must be non-zero multiples of "
-                          "the granularity %zu B",
-                          op, va, bytes, g);
-    *r = find_resv(c, a, bytes);
-    if (!*r)
+    *r = va && bytes ? find_resv(c, a, bytes) : NULL;
+    if (!*r && va && bytes && a % c->granularity == 0 && bytes % c->granularity == 0)
         return spw__error(SPW_ERR_NOT_FOUND, "cuda: %s(%p, %zu B): not inside one reservation", op,
                           va, bytes);
+    size_t g = *r ? (*r)->page : c->granularity;
+    if (!*r || a % g != 0 || bytes % g != 0)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT,
+                          "cuda: %s(%p, %zu B): address and size must be non-zero multiples of "
+                          "the page %zu B",
+                          op, va, bytes, g);
     *first = (a - (*r)->base) / g;
     *count = bytes / g;
     return SPW_OK;
@@ -150,14 +156,14 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
     cuda_backend *c = as_cuda(b);
     if (!c->vmm_supported) return vmm_unsupported(c, "map");
     BIND(c);
-    size_t g = c->granularity;
     pthread_mutex_lock(&c->lock);
     cuda_resv *r = NULL;
     size_t first = 0, count = 0;
     spw_status st = locate(c, "map", va, bytes, &r, &first, &count);
+    size_t g = r ? r->page : c->granularity;
     for (size_t i = first; st == SPW_OK && i < first + count; i++)
         if (r->mapped[i])
-            st = spw__error(SPW_ERR_STATE, "cuda: map(%p, %zu B): granule at %p is already mapped",
+            st = spw__error(SPW_ERR_STATE, "cuda: map(%p, %zu B): page at %p is already mapped",
                             va, bytes, (void *)(r->base + i * g));
     if (st != SPW_OK) {
         pthread_mutex_unlock(&c->lock);
@@ -172,7 +178,7 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
         CUresult res = c->cu.create(&h, g, &prop, 0);
         if (res != CUDA_SUCCESS) {
             st = spw__cuda_cu_fail(c, spw__cuda_cu_status(res), res,
-                                   "cuMemCreate(%zu B) for granule %zu of %zu in map(%p, %zu B)", g,
+                                   "cuMemCreate(%zu B) for page %zu of %zu in map(%p, %zu B)", g,
                                    done + 1, count, va, bytes);
             break;
         }
@@ -211,8 +217,8 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
     return st;
 }
 
-/* Any granule-aligned subrange of mapped memory, even one spanning several maps. Nothing is
- * unmapped unless every granule in the range is mapped. The caller must have ordered all device
+/* Any page-aligned subrange of mapped memory, even one spanning several maps. Nothing is
+ * unmapped unless every page in the range is mapped. The caller must have ordered all device
  * work using the range before this call (cuMemUnmap does not wait for it). */
 spw_status spw__cuda_unmap(spw_backend *b, void *va, size_t bytes) {
     cuda_backend *c = as_cuda(b);
@@ -224,23 +230,23 @@ spw_status spw__cuda_unmap(spw_backend *b, void *va, size_t bytes) {
     spw_status st = locate(c, "unmap", va, bytes, &r, &first, &count);
     for (size_t i = first; st == SPW_OK && i < first + count; i++)
         if (!r->mapped[i])
-            st = spw__error(SPW_ERR_STATE, "cuda: unmap(%p, %zu B): granule at %p is not mapped",
-                            va, bytes, (void *)(r->base + i * c->granularity));
+            st = spw__error(SPW_ERR_STATE, "cuda: unmap(%p, %zu B): page at %p is not mapped",
+                            va, bytes, (void *)(r->base + i * r->page));
     if (st == SPW_OK) st = unmap_granules(c, r, first, count);
     pthread_mutex_unlock(&c->lock);
     return st;
 }
 
-/* va and bytes as given to (or returned by) va_reserve; every granule must be unmapped. */
+/* va and bytes as given to (or returned by) va_reserve; every page must be unmapped. */
 spw_status spw__cuda_va_release(spw_backend *b, void *va, size_t bytes) {
     cuda_backend *c = as_cuda(b);
     if (!c->vmm_supported) return vmm_unsupported(c, "va_release");
     BIND(c);
-    size_t g = c->granularity;
     pthread_mutex_lock(&c->lock);
     cuda_resv **pp = &c->resv;
     while (*pp && (*pp)->base != (uintptr_t)va) pp = &(*pp)->next;
     cuda_resv *r = *pp;
+    size_t g = r ? r->page : c->granularity;
     spw_status st = SPW_OK;
     if (!r)
         st = spw__error(SPW_ERR_NOT_FOUND, "cuda: va_release(%p, %zu B): no reservation at %p", va,
@@ -251,7 +257,7 @@ spw_status spw__cuda_va_release(spw_backend *b, void *va, size_t bytes) {
                         r->bytes);
     else if (r->mapped_count > 0)
         st = spw__error(SPW_ERR_STATE,
-                        "cuda: va_release(%p, %zu B): %zu granule(s) of %zu B still mapped", va,
+                        "cuda: va_release(%p, %zu B): %zu page(s) of %zu B still mapped", va,
                         bytes, r->mapped_count, g);
     if (st == SPW_OK) {
         CUresult res = c->cu.address_free((CUdeviceptr)r->base, r->bytes);

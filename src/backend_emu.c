@@ -6,11 +6,13 @@
  *   no RAM. "used" (dev_alloc + mapped granules + managed) never exceeds the capacity; managed
  *   memory is charged in full at allocation, as if always resident on the device. Charges are
  *   the requested bytes, unrounded.
- * - VMM: va_reserve maps PROT_NONE address space aligned to the granularity; map makes granules
- *   read/write and charges them; unmap may release ANY granule-aligned subrange of mapped memory
- *   (more permissive than cuMemUnmap, which wants whole earlier maps). A bitmap per reservation
- *   makes double maps and unmaps of unmapped memory SPW_ERR_STATE. va_release of a reservation
- *   that still has mapped granules is SPW_ERR_STATE and changes nothing.
+ * - VMM: va_reserve maps PROT_NONE address space aligned to its page (the granularity or a
+ *   power-of-two multiple); map makes pages read/write and charges them; unmap may release ANY
+ *   page-aligned subrange of mapped memory (more permissive than cuMemUnmap, which wants whole
+ *   earlier maps); ranges not aligned to the reservation's page are SPW_ERR_INVALID_ARGUMENT, as
+ *   on cuda. A bitmap per reservation makes double maps and unmaps of unmapped memory
+ *   SPW_ERR_STATE. va_release of a reservation that still has mapped pages is SPW_ERR_STATE and
+ *   changes nothing.
  * - Every vtable function counts its call kind and checks for an injected fault before anything
  *   else; a fault has no side effect. device_info counts as mem_info, managed_free as dev_free
  *   (cudaFree frees managed memory too).
@@ -270,19 +272,21 @@ static spw_status emu_managed_advise(spw_backend *b, void *ptr, size_t bytes,
 
 /* ---- virtual memory ---- */
 
-/* bytes must be a positive multiple of the granularity; the address is granule-aligned. */
-static spw_status emu_va_reserve(spw_backend *b, size_t bytes, void **va) {
+/* bytes must be a positive multiple of the page; the address is page-aligned. */
+static spw_status emu_va_reserve(spw_backend *b, size_t bytes, size_t page, void **va) {
     emu_backend *e = EMU(b);
     ENTER(e, VA_RESERVE);
-    if (!va || !bytes || bytes % e->gran)
+    size_t pg = page ? page : e->gran;
+    if (!va || !bytes || pg % e->gran || (pg & (pg - 1)) || bytes % pg)
         return spw__error(SPW_ERR_INVALID_ARGUMENT,
-                          "emu: va_reserve(bytes=%zu, out=%p): need an out pointer and a "
-                          "positive multiple of the granularity %zu",
-                          bytes, (void *)va, e->gran);
-    size_t granules = bytes / e->gran;
+                          "emu: va_reserve(bytes=%zu, page=%zu, out=%p): need an out pointer, a "
+                          "page that is a power-of-two multiple of the granularity %zu and a "
+                          "positive multiple of the page",
+                          bytes, page, (void *)va, e->gran);
+    size_t granules = bytes / pg;
     emu_resv *r = calloc(1, sizeof *r);
     uint64_t *bits = calloc((granules + 63) / 64, sizeof *bits);
-    char *p = r && bits ? map_aligned(e, bytes, e->gran, PROT_NONE, MAP_NORESERVE) : NULL;
+    char *p = r && bits ? map_aligned(e, bytes, pg, PROT_NONE, MAP_NORESERVE) : NULL;
     if (!p) {
         int err = errno;
         free(r);
@@ -290,7 +294,7 @@ static spw_status emu_va_reserve(spw_backend *b, size_t bytes, void **va) {
         return spw__error(SPW_ERR_OUT_OF_MEMORY, "emu: va_reserve of %zu bytes failed: %s",
                           bytes, strerror(err));
     }
-    *r = (emu_resv){.va = p, .bytes = bytes, .bits = bits};
+    *r = (emu_resv){.va = p, .bytes = bytes, .page = pg, .bits = bits};
     pthread_mutex_lock(&e->mem_lock);
     r->next = e->resvs;
     e->resvs = r;
@@ -316,7 +320,7 @@ static spw_status emu_va_release(spw_backend *b, void *va, size_t bytes) {
     else if (r->mapped)
         st = spw__error(SPW_ERR_STATE,
                         "emu: va_release(%p, %zu): %zu bytes are still mapped; unmap them first",
-                        va, bytes, r->mapped * e->gran);
+                        va, bytes, r->mapped * r->page);
     else
         *pp = r->next;
     pthread_mutex_unlock(&e->mem_lock);
@@ -340,8 +344,8 @@ static void bits_put(uint64_t *bits, size_t first, size_t n, int set) {
                            : bits[i / 64] & ~((uint64_t)1 << (i % 64));
 }
 
-/* Validate a map/unmap range, find its reservation, and check that its granules are all
- * mapped (want_set=1) or all unmapped. mem_lock held. */
+/* Validate a map/unmap range, find its reservation, and check that its pages are all mapped
+ * (want_set=1) or all unmapped. mem_lock held. */
 static spw_status vm_range(emu_backend *e, const char *call, void *va, size_t bytes,
                            int want_set, emu_resv **out, size_t *first) {
     if (!va || !bytes || (uintptr_t)va % e->gran || bytes % e->gran)
@@ -357,11 +361,16 @@ static spw_status vm_range(emu_backend *e, const char *call, void *va, size_t by
     if (!r)
         return spw__error(SPW_ERR_INVALID_ARGUMENT,
                           "emu: %s(%p, %zu): not inside one reservation", call, va, bytes);
+    if (lo % r->page || bytes % r->page)
+        return spw__error(SPW_ERR_INVALID_ARGUMENT,
+                          "emu: %s(%p, %zu): address and size must be multiples of the "
+                          "reservation's page %zu",
+                          call, va, bytes, r->page);
     size_t bad = 0;
-    *first = (lo - (uintptr_t)r->va) / e->gran;
-    if (!bits_all(r->bits, *first, bytes / e->gran, want_set, &bad))
-        return spw__error(SPW_ERR_STATE, "emu: %s(%p, %zu): the granule at %p is %s", call, va,
-                          bytes, (void *)(r->va + bad * e->gran),
+    *first = (lo - (uintptr_t)r->va) / r->page;
+    if (!bits_all(r->bits, *first, bytes / r->page, want_set, &bad))
+        return spw__error(SPW_ERR_STATE, "emu: %s(%p, %zu): the page at %p is %s", call, va,
+                          bytes, (void *)(r->va + bad * r->page),
                           want_set ? "not mapped" : "already mapped");
     *out = r;
     return SPW_OK;
@@ -380,8 +389,8 @@ static spw_status emu_map(spw_backend *b, void *va, size_t bytes) {
         st = spw__error(SPW_ERR_OUT_OF_MEMORY, "emu: map(%p, %zu): mprotect failed: %s", va,
                         bytes, strerror(errno));
     if (st == SPW_OK) {
-        bits_put(r->bits, first, bytes / e->gran, 1);
-        r->mapped += bytes / e->gran;
+        bits_put(r->bits, first, bytes / r->page, 1);
+        r->mapped += bytes / r->page;
         e->used += bytes;
     }
     pthread_mutex_unlock(&e->mem_lock);
@@ -401,8 +410,8 @@ static spw_status emu_unmap(spw_backend *b, void *va, size_t bytes) {
                         strerror(errno));
     if (st == SPW_OK) {
         madvise(va, bytes, MADV_DONTNEED);
-        bits_put(r->bits, first, bytes / e->gran, 0);
-        r->mapped -= bytes / e->gran;
+        bits_put(r->bits, first, bytes / r->page, 0);
+        r->mapped -= bytes / r->page;
         e->used -= bytes;
     }
     pthread_mutex_unlock(&e->mem_lock);

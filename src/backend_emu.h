@@ -39,8 +39,9 @@ typedef struct emu_resv {
     struct emu_resv *next;
     char *va;
     size_t bytes;
-    size_t mapped;  /* granules mapped */
-    uint64_t *bits; /* one bit per granule */
+    size_t page;    /* map/unmap unit: the granularity or a power-of-two multiple */
+    size_t mapped;  /* pages mapped */
+    uint64_t *bits; /* one bit per page */
 } emu_resv;
 
 typedef enum { W_COPY, W_HOST, W_WAIT, W_PREFETCH } emu_work;

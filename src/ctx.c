@@ -114,14 +114,23 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
         goto fail;
     }
     size_t page = vmm ? SPW_MAX(ctx->dev.vmm_granularity, (size_t)2 * SPW_MiB) : 2 * SPW_MiB;
+    if (ctx->cfg.vmm_large_page > SPW_GiB) {
+        st = spw__error(SPW_ERR_CONFIG, "option 'vmm_large_page': %zu B is above the limit of 1 GiB",
+                        ctx->cfg.vmm_large_page);
+        goto fail;
+    }
+    /* Large buffers take large pages: a copy is split at every physical allocation under it */
+    size_t large_page = page;
+    while (vmm && large_page < ctx->cfg.vmm_large_page) large_page *= 2;
     /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
-    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), page);
+    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), large_page);
     spw_arena_params ap = {.backend = ctx->backend, .ctx = ctx, .page = page, .vmm = vmm};
     ap.name = "small";
     ap.reserve_bytes = SPW_ALIGN_UP(SPW_MIN(ctx->budget, 64 * SPW_GiB) + page, page);
     ap.min_segment = 2 * SPW_MiB;
     if ((st = spw__arena_create(&ap, &ctx->small))) goto fail;
     ap.name = "large";
+    ap.page = large_page;
     ap.reserve_bytes = reserve;
     ap.min_segment = 2 * SPW_MiB;
     if ((st = spw__arena_create(&ap, &ctx->large))) goto fail;

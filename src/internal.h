@@ -70,6 +70,7 @@ struct spw_config {
     spw_exhaust_mode on_exhaust;
     spw_tristate vmm;
     size_t vmm_page;            /* emu: VMM granularity */
+    size_t vmm_large_page;      /* VMM: mapping unit of the large-block arena (at least the granularity) */
     double frag_slack;
     spw_tristate prefetch;      /* policy=plan: prefetch ahead (auto = on) */
     int prefetch_early;         /* policy=plan: prefetches allowed ahead of the optimal schedule;

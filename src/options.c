@@ -36,6 +36,10 @@ static const opt_def options[] = {
      "grow segments in place with virtual memory mapping where the device supports it"},
     {"vmm_page", OPT_SIZE, "2MiB", NULL, OFF(vmm_page),
      "emu: mapping granularity (cuda uses the device's)"},
+    {"vmm_large_page", OPT_SIZE, "2MiB", NULL, OFF(vmm_large_page),
+     "VMM: mapping unit of the large-block arena, one physical allocation each (rounded up to a "
+     "power-of-two multiple of the granularity, at most 1GiB); larger units make copies over large "
+     "buffers cheaper to enqueue and return cached memory in coarser steps"},
     {"frag_slack", OPT_FRACTION, "0.02", NULL, OFF(frag_slack),
      "cached memory allowed above live before the cache is trimmed on growth (fraction)"},
     {"grow_ahead", OPT_FRACTION, "0.01", NULL, OFF(grow_ahead),

@@ -164,6 +164,48 @@ static void held_tracks_live(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* vmm_large_page: the large-block arena maps and trims in whole large pages (one physical
+ * allocation each, so a copy over a large buffer is split fewer times); small blocks keep the
+ * granularity. The budget counts the pages mapped. */
+static void large_pages(void **state) {
+    (void)state;
+    spw_ctx *ctx = emu_ctx("vmm_large_page=24MiB"); /* rounded up to 32 MiB */
+    char *a, *b, *s;
+    assert_ok(spw_malloc(ctx, 40 * MiB, NULL, (void **)&a));
+    assert_int_equal((uintptr_t)a % (32 * MiB), 0);
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 64 * MiB);
+    assert_ok(spw_malloc(ctx, 4096, NULL, (void **)&s)); /* small arena: 2 MiB pages */
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 66 * MiB);
+    assert_ok(spw_malloc(ctx, 20 * MiB, NULL, (void **)&b)); /* fits in the mapped tail */
+    assert_ptr_equal(b, a + 40 * MiB);
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 66 * MiB);
+    check(ctx);
+    /* freeing a leaves [0, 40) MiB free; only the whole page [0, 32) can go back */
+    assert_ok(spw_free(ctx, a, NULL));
+    assert_ok(spw_empty_cache(ctx));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 34 * MiB);
+    check(ctx);
+    assert_ok(spw_free(ctx, b, NULL));
+    assert_ok(spw_free(ctx, s, NULL));
+    assert_ok(spw_empty_cache(ctx));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 0);
+    check(ctx);
+    spw_ctx_destroy(ctx);
+    spw_config *cfg;
+    assert_ok(spw_config_create(&cfg));
+    assert_ok(spw_config_parse(cfg, "backend=emu,vmm_large_page=2GiB"));
+    spw_ctx *bad = NULL;
+    assert_status(spw_ctx_create(cfg, &bad), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "vmm_large_page"));
+    spw_config_destroy(cfg);
+}
+
 /* Without VMM, memory comes in segments that are returned whole when entirely free. */
 static void segment_mode(void **state) {
     (void)state;
@@ -294,6 +336,7 @@ int main(void) {
         cmocka_unit_test(split_and_coalesce), cmocka_unit_test(best_fit),
         cmocka_unit_test(rounding),           cmocka_unit_test(trim_all),
         cmocka_unit_test(held_tracks_live),   cmocka_unit_test(segment_mode),
+        cmocka_unit_test(large_pages),
         cmocka_unit_test(budget_is_hard),     cmocka_unit_test(cross_stream_reuse_waits),
         cmocka_unit_test(hot_path_no_backend_calls),
     };

@@ -516,7 +516,7 @@ static void test_vmm_map_unmap(void **state) {
     assert_ok(o->mem_info(b, &free0, NULL));
 
     char *va = NULL;
-    assert_ok(o->va_reserve(b, R, (void **)&va));
+    assert_ok(o->va_reserve(b, R, 0, (void **)&va));
     assert_non_null(va);
     assert_int_equal((uintptr_t)va % g, 0);
 
@@ -586,8 +586,8 @@ static void test_vmm_destroy_releases(void **state) {
     size_t free0 = 0, free1 = 0, free2 = 0;
     assert_ok(b->ops->mem_info(b, &free0, NULL));
     char *v1 = NULL, *v2 = NULL;
-    assert_ok(b->ops->va_reserve(b, n * g, (void **)&v1));
-    assert_ok(b->ops->va_reserve(b, n * g, (void **)&v2));
+    assert_ok(b->ops->va_reserve(b, n * g, 0, (void **)&v1));
+    assert_ok(b->ops->va_reserve(b, n * g, 0, (void **)&v2));
     assert_true(v1 + n * g <= v2 || v2 + n * g <= v1);
     assert_ok(b->ops->map(b, v1, n * g));
     assert_ok(b->ops->map(b, v2 + g, 2 * g));
@@ -602,6 +602,35 @@ static void test_vmm_destroy_releases(void **state) {
     b = open_backend();
     assert_ok(b->ops->mem_info(b, &free2, NULL));
     if (free2 + 64 * SPW_MiB < free0) fail_msg("free %zu -> %zu after destroy", free0, free2);
+    b->ops->destroy(b);
+}
+
+/* A reservation with pages of 16 granules: whole pages only, and data written over several of
+ * them reads back. */
+static void test_vmm_large_page(void **state) {
+    (void)state;
+    spw_backend *b = open_backend();
+    spw_device_info d = info_of(b);
+    if (!d.vmm_supported) {
+        b->ops->destroy(b);
+        skip();
+    }
+    const size_t g = d.vmm_granularity, P = 16 * g;
+    char *va = NULL;
+    assert_status(b->ops->va_reserve(b, 4 * P, 3 * g, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
+    assert_ok(b->ops->va_reserve(b, 4 * P, P, (void **)&va));
+    assert_int_equal((uintptr_t)va % P, 0);
+    assert_status(b->ops->map(b, va, g), SPW_ERR_INVALID_ARGUMENT);
+    assert_ok(b->ops->map(b, va, 3 * P));
+    vmm_write(b, va, 3 * P, 29, 0);
+    assert_status(b->ops->unmap(b, va + P, g), SPW_ERR_INVALID_ARGUMENT);
+    vmm_check(b, va, 3 * P, 29, 0, "three large pages");
+    assert_ok(b->ops->unmap(b, va + P, P));
+    vmm_check(b, va + 2 * P, P, 29, 2 * P, "the page after the unmapped one");
+    assert_status(b->ops->va_release(b, va, 4 * P), SPW_ERR_STATE);
+    assert_ok(b->ops->unmap(b, va, P));
+    assert_ok(b->ops->unmap(b, va + 2 * P, P));
+    assert_ok(b->ops->va_release(b, va, 4 * P));
     b->ops->destroy(b);
 }
 
@@ -621,7 +650,7 @@ static void test_vmm_map_oom_rolls_back(void **state) {
     assert_ok(o->mem_info(b, &free0, NULL));
     size_t want = SPW_ALIGN_UP(free0 + 2 * SPW_GiB, g);
     char *va = NULL;
-    assert_ok(o->va_reserve(b, want, (void **)&va));
+    assert_ok(o->va_reserve(b, want, 0, (void **)&va));
     uint64_t t0 = spw__now_ns();
     assert_status(o->map(b, va, want), SPW_ERR_OUT_OF_MEMORY);
     print_message("map of %zu MiB (free %zu MiB) failed in %.2f s: %s\n", want >> 20, free0 >> 20,
@@ -667,7 +696,7 @@ static void test_vmm_threads(void **state) {
     }
     const size_t g = d.vmm_granularity;
     char *va = NULL;
-    assert_ok(b->ops->va_reserve(b, 8 * g, (void **)&va));
+    assert_ok(b->ops->va_reserve(b, 8 * g, 0, (void **)&va));
     vmm_worker w[4];
     pthread_t t[4];
     for (int i = 0; i < 4; i++) {
@@ -811,7 +840,7 @@ int main(void) {
         cmocka_unit_test(test_cross_stream_wait),
         cmocka_unit_test(test_launch_host_order),
         cmocka_unit_test(test_vmm_map_unmap),
-        cmocka_unit_test(test_vmm_destroy_releases),
+        cmocka_unit_test(test_vmm_destroy_releases), cmocka_unit_test(test_vmm_large_page),
         cmocka_unit_test(test_vmm_threads),
         cmocka_unit_test(test_vmm_map_oom_rolls_back),
         cmocka_unit_test(test_other_thread_binds_device),

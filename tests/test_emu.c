@@ -342,7 +342,7 @@ static void test_vmm(void **state) {
     const size_t G = 2 * SPW_MiB;
     spw_backend *b = mk(10 * G, G);
     char *va = NULL;
-    assert_ok(OPS(b)->va_reserve(b, 16 * G, (void **)&va));
+    assert_ok(OPS(b)->va_reserve(b, 16 * G, 0, (void **)&va));
     assert_int_equal((uintptr_t)va % G, 0);
     assert_int_equal(spw__emu_used(b), 0);
     assert_ok(OPS(b)->map(b, va, 4 * G));
@@ -369,7 +369,7 @@ static void test_vmm(void **state) {
     assert_status(OPS(b)->va_release(b, va, 16 * G), SPW_ERR_STATE);
     assert_status(OPS(b)->va_release(b, va, 8 * G), SPW_ERR_INVALID_ARGUMENT);
     assert_status(OPS(b)->va_release(b, va + G, 16 * G), SPW_ERR_NOT_FOUND);
-    assert_status(OPS(b)->va_reserve(b, G + 1, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(OPS(b)->va_reserve(b, G + 1, 0, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
     /* unmap in pieces that differ from the maps */
     assert_ok(OPS(b)->unmap(b, va, 3 * G));
     assert_ok(OPS(b)->unmap(b, va + 3 * G, 5 * G));
@@ -398,6 +398,34 @@ static void test_vmm(void **state) {
     assert_status(spw__backend_emu_create(&p, &b), SPW_ERR_INVALID_ARGUMENT);
 }
 
+/* A reservation with a page of four granules maps and unmaps in whole pages only. */
+static void test_vmm_page(void **state) {
+    (void)state;
+    const size_t G = 2 * SPW_MiB, P = 4 * G;
+    spw_backend *b = mk(16 * G, G);
+    char *va = NULL;
+    assert_status(OPS(b)->va_reserve(b, 4 * P, 3 * G, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(OPS(b)->va_reserve(b, 4 * P, G / 2, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(OPS(b)->va_reserve(b, 4 * P + G, P, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
+    assert_ok(OPS(b)->va_reserve(b, 4 * P, P, (void **)&va));
+    assert_int_equal((uintptr_t)va % P, 0);
+    assert_status(OPS(b)->map(b, va, G), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "page"));
+    assert_status(OPS(b)->map(b, va + G, P), SPW_ERR_INVALID_ARGUMENT);
+    assert_int_equal(spw__emu_used(b), 0);
+    assert_ok(OPS(b)->map(b, va, 2 * P));
+    memset(va, 7, 2 * P);
+    assert_status(OPS(b)->unmap(b, va + G, G), SPW_ERR_INVALID_ARGUMENT); /* splits a page */
+    assert_int_equal(spw__emu_used(b), 2 * P);
+    assert_int_equal(va[G], 7);
+    assert_ok(OPS(b)->unmap(b, va + P, P));
+    assert_int_equal(spw__emu_used(b), P);
+    assert_status(OPS(b)->va_release(b, va, 4 * P), SPW_ERR_STATE);
+    assert_ok(OPS(b)->unmap(b, va, P));
+    assert_ok(OPS(b)->va_release(b, va, 4 * P));
+    OPS(b)->destroy(b);
+}
+
 #if defined(__SANITIZE_THREAD__)
 #define EMU_TSAN 1
 #elif defined(__has_feature)
@@ -417,7 +445,7 @@ static void test_reserve_1tib(void **state) {
 #endif
     spw_backend *b = mk(0, 0);
     char *va = NULL;
-    assert_ok(OPS(b)->va_reserve(b, R, (void **)&va));
+    assert_ok(OPS(b)->va_reserve(b, R, 0, (void **)&va));
     assert_non_null(va);
     const size_t G = 2 * SPW_MiB;
     assert_ok(OPS(b)->map(b, va + R - G, G));
@@ -510,7 +538,7 @@ static void test_faults(void **state) {
 
     /* a failed map maps nothing; a failed unmap unmaps nothing */
     void *va = NULL;
-    assert_ok(OPS(b)->va_reserve(b, 8 * SPW_MiB, &va));
+    assert_ok(OPS(b)->va_reserve(b, 8 * SPW_MiB, 0, &va));
     spw__emu_inject(b, SPW_CALL_MAP, 1, 0);
     assert_status(OPS(b)->map(b, va, 4 * SPW_MiB), SPW_ERR_OUT_OF_MEMORY);
     assert_int_equal(spw__emu_used(b), 2 * SPW_MiB);
@@ -660,6 +688,7 @@ int main(void) {
         cmocka_unit_test(test_event_query),    cmocka_unit_test(test_rerecord),
         cmocka_unit_test(test_memcpy),         cmocka_unit_test(test_bandwidth),
         cmocka_unit_test(test_capacity),       cmocka_unit_test(test_vmm),
+        cmocka_unit_test(test_vmm_page),
         cmocka_unit_test(test_reserve_1tib),   cmocka_unit_test(test_host_and_managed),
         cmocka_unit_test(test_faults),         cmocka_unit_test(test_stress),
         cmocka_unit_test(test_destroy_drains),

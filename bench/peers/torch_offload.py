@@ -181,6 +181,7 @@ def spillway_figures(off):
         acquires=_stat(s, "hook_acquires", "acquires", "acquire", "blocks_acquired"),
         stalls=_stat(s, "stalls"),
         held_peak=_peak(s, "held", "device_held", "bytes_held", "held_bytes"),
+        stats=s,
     )
 
 
@@ -588,7 +589,46 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         if s1["hook_ns"] is not None and s1["acquires"] is not None and s1["acquires"] > s0["acquires"]:
             r["hook_us"] = (s1["hook_ns"] - s0["hook_ns"]) / (s1["acquires"] - s0["acquires"]) / 1e3
         r["spillway"] = s1
+        r["c_calls"] = c_call_profile(cfg, v.off, fn)
     return r, first
+
+
+def c_call_profile(cfg, off, fn, passes=2):
+    """Host time of each spw_acquire and spw_release call over `passes` extra passes (after the
+    timed ones, so the wrappers' own cost is in no figure above): percentiles in us, and the
+    share of the hooks' time spent inside them."""
+    calls = {"spw_acquire": [], "spw_release": []}
+    orig = off._c_acquire, off._c_release
+    clock = time.perf_counter_ns
+
+    def timed(f, out):
+        def w(*a):
+            t = clock()
+            try:
+                return f(*a)
+            finally:
+                out.append(clock() - t)
+        return w
+
+    h0 = off.hook_ns
+    off._c_acquire, off._c_release = timed(orig[0], calls["spw_acquire"]), timed(orig[1], calls["spw_release"])
+    try:
+        for _ in range(passes):
+            fn()
+        sync(cfg)
+    finally:
+        off._c_acquire, off._c_release = orig
+    hook = off.hook_ns - h0
+    res = {}
+    for name, xs in calls.items():
+        if not xs:
+            continue
+        xs = sorted(xs)
+        q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1e3  # noqa: E731
+        res[name] = dict(n=len(xs), p50=q(0.5), p90=q(0.9), p99=q(0.99), max=xs[-1] / 1e3,
+                         total_ms=sum(xs) / 1e6)
+    res["hooks_total_ms"] = hook / 1e6
+    return res
 
 
 def greedy(model, ids, n, keep1):
@@ -880,7 +920,13 @@ def print_tables(rows, link_gbps, cfg_of):
             if r.get("note"):
                 print(f"{'':<18}  {r['note']}")
             if r.get("spillway"):
-                print(f"{'':<18}  spillway_figures: {r['spillway']}")
+                fig = {k: x for k, x in r["spillway"].items() if k != "stats"}
+                print(f"{'':<18}  spillway_figures: {fig}")
+            if r.get("c_calls"):
+                cc = r["c_calls"]
+                parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"
+                         f" ({c['total_ms']:.2f} ms)" for n, c in cc.items() if isinstance(c, dict)]
+                print(f"{'':<18}  C calls over 2 more passes: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms")
         if any(r.get("hook_us", 0) > 30 for r in group):
             print("  ! hook host time per acquire above 30 us")
 

@@ -140,6 +140,29 @@ class Reuse(nn.Module):
         return self.lin(self.inner(x))
 
 
+def test_large_units_are_mapped_in_large_pages():
+    # 8 MiB units: the offload's context maps them in 8 MiB pages (one physical allocation
+    # each on cuda), so the device memory held is a whole number of them; a page never exceeds
+    # the largest unit, and the user's own choice stands
+    m = frozen(nn.Sequential(*[nn.Linear(1024, 2048, bias=False) if i % 2 == 0 else nn.Linear(2048, 1024, bias=False)
+                               for i in range(6)]))
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 1024)
+    with pytest.raises(spillway.ConfigError, match="8.00 MiB pages"):
+        spt.offload(copy.deepcopy(m), budget="6MiB", **EMU)
+    off = spt.offload(m, budget="20MiB", **EMU)
+    for _ in range(3):
+        assert torch.equal(m(x), ref(x))
+    held = off.stats()["held"]
+    assert held["peak"] == 16 * MiB and held["current"] % (8 * MiB) == 0
+    off.remove()
+    off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
+    for _ in range(3):
+        assert torch.equal(m(x), ref(x))
+    assert off.stats()["held"]["peak"] == 20 * MiB - 4 * MiB
+    off.remove()
+
+
 def test_reuse_nesting_and_out_of_order():
     torch.manual_seed(1)
     m = frozen(Reuse())
