@@ -118,23 +118,57 @@ def case_oom(a):
     report(**out, **mem(a))
 
 
-def case_record_stream(a):
+def _side_stream_round(side) -> bool:
+    """Five 64 MiB tensors read on a side stream and freed with record_stream; True when the side
+    stream read what it should (no block was reused before its work on the side stream ended)."""
     ok = True
+    for _ in range(5):
+        x = torch.ones(64 * MiB // 4, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles before reading x
+            out = x * 2
+        x.record_stream(side)
+        del x
+        z = torch.full((64 * MiB // 4,), 7.0, device="cuda")  # would reuse x's block if not recorded
+        torch.cuda.synchronize()
+        ok = ok and bool((out == 2).all().item())
+        del z, out
+    return ok
+
+
+def _stream_counts() -> dict:
+    s = torch.cuda.memory_stats()
+    out = dict(awaiting=s["active_bytes.all.current"] - s["allocated_bytes.all.current"],
+               torch_reserved=torch.cuda.memory_reserved())
+    w = spt.memory_stats()
+    out.update(spw_live=w["live.current"], spw_held=w["held.current"], spw_requested=w["requested.current"])
+    return out
+
+
+def case_record_stream(a):
     with Region(a):
         side = torch.cuda.Stream()
-        for _ in range(5):
-            x = torch.ones(64 * MiB // 4, device="cuda")
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles before reading x
-                out = x * 2
-            x.record_stream(side)
-            del x
-            z = torch.full((64 * MiB // 4,), 7.0, device="cuda")  # would reuse x's block if not recorded
-            torch.cuda.synchronize()
-            ok = ok and bool((out == 2).all().item())
-            del z, out
-    report(correct=ok, **mem(a))
+        ok = _side_stream_round(side)
+    out = {"correct": ok}
+    if a is not None and a.mode == "global":
+        from spillway.torch import _alloc
+
+        cycles0 = _alloc._cycles["count"]
+        # the blocks the side stream used await it (PyTorch defers them while a pool is routed to);
+        # collect() cycles the routing and they go back to spillway
+        out["round1"] = _stream_counts()
+        out["collected1"] = spt.collect()
+        out["after1"] = _stream_counts()
+        # the same again: the memory is spillway's to hand out again, and nothing accumulates
+        out["correct2"] = _side_stream_round(side)
+        out["round2"] = _stream_counts()
+        out["collected2"] = spt.collect()
+        out["after2"] = _stream_counts()
+        out["collect_idle"] = spt.collect()  # nothing awaits: no cycle
+        out["cycles"] = _alloc._cycles["count"] - cycles0
+        out["summary_line"] = [ln for ln in spt.memory_summary().splitlines() if "other streams" in ln]
+    report(**out, **mem(a))
 
 
 def case_empty_cache(a):

@@ -4,7 +4,11 @@ configuration, per-device contexts and budgets, the statistics functions, the OO
 observer raises, and one budget shared with offload()."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import threading
+import weakref
 
 import pytest
 import torch
@@ -196,30 +200,56 @@ class _Pool:
         self.id = (0, n)
 
 
+class _Anchor:
+    """What the fake torch.empty returns: weak-referenceable, to see when an anchor is let go."""
+
+
 @pytest.fixture
 def routed(monkeypatch):
     """An emu allocator that believes it routes: pools for devices 0 and 1, and the torch calls
-    that make pools freeable and empty the cache recorded in order."""
+    that make pools freeable, route, make pools and empty the cache recorded in order.
+    awaiting[device]: the bytes PyTorch's counters show awaiting other streams (0 unless set)."""
     calls = []
     refuse = {"anchor": False}
+    awaiting = {}
+    made = {"n": 100}
 
     def empty(n, dtype=None, device=None):
         calls.append(("anchor", device.index))
         if refuse["anchor"]:
             raise _alloc._TORCH_OOM("refused")
-        return object()
+        return _Anchor()
+
+    class MemPool:
+        def __init__(self, allocator=None):
+            made["n"] += 1
+            self.id = (0, made["n"])
+            calls.append(("pool", self.id))
+
+    def empty_cache():
+        calls.append(("empty_cache",))
+        awaiting.clear()  # no capture underway any more: PyTorch recycles them
+
+    def memory_stats(device=None):
+        return {"active_bytes.all.current": 5 * MiB + awaiting.get(device, 0), "allocated_bytes.all.current": 5 * MiB}
 
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, pid: calls.append(("release", d, pid)), raising=False)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, pid: calls.append(("end", d, pid)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_beginAllocateToPool", lambda d, pid: calls.append(("begin", d, pid)),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "MemPool", MemPool, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
     monkeypatch.setattr(_alloc.torch, "empty", empty)
     a = spt.use_allocator({0: "8MiB", 1: "8MiB"}, **EMU)
     a.routed, a._pools = True, {0: _Pool(1), 1: _Pool(2)}
-    yield a, calls, refuse
+    yield a, calls, refuse, awaiting
     a.routed = False
 
 
 def test_global_mode_makes_a_pool_freeable_once_with_an_anchor_then_empties_the_cache(routed):
-    a, calls, refuse = routed
+    a, calls, refuse, _ = routed
     p = talloc(MiB, 0)  # device 0 has a context; device 1 none
     spt.empty_cache()
     assert calls == [("anchor", 0), ("release", 0, (0, 1)), ("release", 0, (0, 1)), ("empty_cache",)]
@@ -236,7 +266,7 @@ def test_global_mode_makes_a_pool_freeable_once_with_an_anchor_then_empties_the_
 
 
 def test_oom_observer_empties_pytorchs_cache_before_raising(routed):
-    a, calls, _ = routed
+    a, calls, _, _ = routed
     p = talloc(6 * MiB, 0)
     assert talloc(6 * MiB, 0) == 0
     with pytest.raises(spt.OutOfMemoryError, match="budget 8.00 MiB"):
@@ -248,7 +278,7 @@ def test_oom_observer_empties_pytorchs_cache_before_raising(routed):
 
 
 def test_pool_mode_retires_only_pools_no_with_routes_to(routed):
-    a, calls, _ = routed
+    a, calls, _, _ = routed
     a.mode, a._entered = "pool", {0: 1}
     spt.empty_cache()
     assert calls == [("release", 1, (0, 2)), ("empty_cache",)]
@@ -259,7 +289,7 @@ def test_a_refused_segment_reclaims_pytorchs_cache_and_is_retried(routed, monkey
     """spw_torch_set_reclaim: the segment that hits the budget calls back into Python, which
     empties PyTorch's cache (here: segments this test holds as "cached"), and is then allocated;
     with nothing to give back, or a pool that is not freeable, it is refused as before."""
-    a, calls, _ = routed
+    a, calls, _, _ = routed
     cached = [talloc(2 * MiB, 0) for _ in range(3)]
     assert all(cached)
 
@@ -283,3 +313,91 @@ def test_a_refused_segment_reclaims_pytorchs_cache_and_is_retried(routed, monkey
     finally:
         _lib.lib.spw_torch_set_reclaim(_lib.RECLAIM_FN(0))
     tfree(p, 6 * MiB, 0)
+
+
+def test_collect_cycles_the_routing_of_devices_whose_blocks_await_other_streams(routed):
+    """Global mode: a device whose PyTorch counters show blocks awaiting other streams gets a fresh,
+    anchored pool; its routing ends before PyTorch empties its cache (no capture underway then),
+    and no device is left unrouted. Nothing happens when nothing awaits."""
+    a, calls, _, awaiting = routed
+    p, q = talloc(MiB, 0), talloc(MiB, 1)
+    assert spt.collect() == 0 and calls == []
+    spt.empty_cache()  # both pools anchored and freeable: (0, 1) and (0, 2)
+    first = a._anchors[0]
+    del calls[:]
+    awaiting[0] = 64 * MiB
+    assert spt.collect() == 64 * MiB
+    assert calls == [("pool", (0, 101)), ("end", 0, (0, 1)), ("empty_cache",), ("begin", 0, (0, 101)),
+                     ("anchor", 0), ("release", 0, (0, 101)), ("release", 0, (0, 101))]
+    assert a._pools[0].id == (0, 101) and a._pools[1].id == (0, 2) and a._freeable == {0, 1}
+    assert a._retired_anchors[0] is first  # the retired pool keeps its anchor until the next cycle
+    assert "64.00 MiB of blocks used on other streams brought back by 1 routing cycles" in spt.memory_summary(0)
+    gone = weakref.ref(first)
+    del first, calls[:]
+    awaiting[0] = MiB
+    assert a.collect() == MiB
+    gc.collect()
+    assert gone() is None  # let go by the second cycle, before PyTorch empties its cache
+    assert calls[:3] == [("pool", (0, 102)), ("end", 0, (0, 101)), ("empty_cache",)]
+    tfree(p, MiB, 0)
+    tfree(q, MiB, 1)
+
+
+def test_a_cycle_releases_a_pool_that_had_no_anchor_and_routes_again_when_anchoring_fails(routed):
+    a, calls, refuse, awaiting = routed
+    p = talloc(MiB, 0)
+    refuse["anchor"] = True
+    awaiting[0] = 8 * MiB
+    spt.empty_cache()  # the cycle empties PyTorch's cache once; no second call
+    assert calls == [("pool", (0, 101)), ("end", 0, (0, 1)), ("release", 0, (0, 1)), ("release", 0, (0, 1)),
+                     ("empty_cache",), ("begin", 0, (0, 101)), ("anchor", 0), ("anchor", 0)]
+    assert a._freeable == set() and a._pools[0].id == (0, 101)  # routed, anchored at a later empty_cache
+    tfree(p, MiB, 0)
+
+
+def test_torch_cuda_empty_cache_is_spillways_while_global_mode_routes(routed, monkeypatch):
+    a, calls, _, awaiting = routed
+    monkeypatch.setattr(_alloc, "_empty_cache_hooked", False)
+    monkeypatch.setattr(torch.cuda.memory, "empty_cache", torch.cuda.empty_cache)
+    _alloc._install_empty_cache_hook()
+    assert torch.cuda.memory.empty_cache is torch.cuda.empty_cache
+    p = talloc(MiB, 0)
+    awaiting[0] = 4 * MiB
+    torch.cuda.empty_cache()
+    assert ("end", 0, (0, 1)) in calls and calls.count(("empty_cache",)) == 1
+    del calls[:]
+    a.routed = False  # not routing: PyTorch's own
+    torch.cuda.empty_cache()
+    assert calls == [("empty_cache",)]
+    tfree(p, MiB, 0)
+
+
+def test_the_reclaim_hook_cycles_only_when_blocks_await_and_never_waits_for_the_lock(routed, monkeypatch):
+    a, calls, _, awaiting = routed
+    reserved = {"v": 64 * MiB}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved["v"], raising=False)
+    p = talloc(MiB, 0)
+    spt.empty_cache()
+    del calls[:]
+    awaiting[0] = 32 * MiB
+    held = threading.Event()
+    done = threading.Event()
+
+    def holder():
+        with _alloc._lock:
+            held.set()
+            done.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(5)
+    assert _alloc._reclaim(0) == 0  # _lock is busy: PyTorch's empty_cache only, no cycle
+    assert calls == [("empty_cache",)]
+    done.set()
+    t.join()
+    del calls[:]
+    awaiting[0] = 32 * MiB
+    calls_before = _alloc._cycles["count"]
+    _alloc._reclaim(0)
+    assert _alloc._cycles["count"] == calls_before + 1 and ("end", 0, (0, 1)) in calls
+    tfree(p, MiB, 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._alloc import (
     Allocator,
+    collect,
     context,
     current,
     empty_cache,
@@ -34,6 +35,7 @@ __all__ = [
     "OutOfMemoryError",
     "use_allocator",
     "Allocator",
+    "collect",
     "context",
     "current",
     "empty_cache",

@@ -23,21 +23,39 @@ How it is wired (PyTorch 2.11), and why:
   each device's pool is made freeable as soon as it holds an anchor block (a segment that stays
   allocated, so that releasing the cache never removes the routed pool from PyTorch's table); then
   torch.cuda.empty_cache(), spillway's empty_cache() and the OOM observer give its cached blocks
-  back while it stays routed. A freeable pool can never be routed to again, so the routing is never
-  paused. In pool mode a pool is retired (made freeable, replaced by a new one for the next `with`)
-  when the cache is emptied outside `with`. PyTorch's ~MemPool releases the pool once more, which
-  would underflow the use count of a freeable pool: every pool object is kept alive for the life
-  of the process.
+  back while it stays routed. In pool mode a pool is retired (made freeable, replaced by a new one
+  for the next `with`) when the cache is emptied outside `with`. PyTorch's ~MemPool releases the
+  pool once more, which would underflow the use count of a freeable pool: every pool object is
+  kept alive for the life of the process.
+- Blocks used on a second stream (record_stream, NCCL): while any pool of a device is routed to,
+  PyTorch's free() defers their end-of-life events until no capture is underway, its malloc skips
+  process_events, and its empty_cache skips synchronize_and_free_events, so under permanent
+  routing they would never come back. A routing cycle brings them back (global mode, a device
+  whose counters show such blocks, i.e. active_bytes above allocated_bytes): a fresh MemPool is
+  made, the routing to the old one ends, torch.cuda.empty_cache() runs with no capture underway on
+  the device (it inserts the deferred events, waits for them and frees those blocks, then releases
+  every free segment of the freeable pools), and the device is routed to the fresh pool, which gets
+  its own anchor (a freeable pool can never be routed to again: PyTorch asserts its use count is
+  above 0). The old pool keeps its live tensors; its segments go back to spillway as they become
+  entirely free, and it leaves PyTorch's table once its anchor, dropped one cycle later, and its
+  other segments are gone. Cycles run at the points where a user expects memory back and never per
+  allocation: spillway's collect() and empty_cache(), torch.cuda.empty_cache() (wrapped in global
+  mode), the OOM observer, and the reclaim hook below. Between the end of the old routing and the
+  start of the new one, allocations by other threads on the device come from PyTorch's own pool,
+  outside the budget.
 - A segment refused under the budget first calls back into Python (spw_torch_set_reclaim): once
-  the pool is freeable, torch.cuda.empty_cache() gives PyTorch's cached blocks back and spillway
-  tries the segment again, so the allocation that hit the budget succeeds where the default
-  allocator's own free-and-retry would have. The callback runs on the allocating thread inside
-  PyTorch's allocator, whose lock is recursive.
+  the pool is freeable, torch.cuda.empty_cache() gives PyTorch's cached blocks back (after a
+  routing cycle when blocks await other streams) and spillway tries the segment again, so the
+  allocation that hit the budget succeeds where the default allocator's own free-and-retry would
+  have. The callback runs on the allocating thread inside PyTorch's allocator, whose lock is
+  recursive; the allocation in flight goes on in the pool it started in, which keeps its anchor
+  until the next cycle.
 - CUDA graph capture where the routing applies fails at once (see use_allocator).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Any, Dict, List, Optional, Union
 
@@ -59,7 +77,8 @@ _contexts: Dict[int, "_SharedContext"] = {}
 _pools_keep: List[Any] = []  # pools and anchors live as long as the process (see the module's docstring)
 _observer_attached = False
 _graph_guard_installed = False
-_tls = threading.local()  # .pool_depth: `with allocator:` (pool mode) nesting on this thread
+_empty_cache_hooked = False
+_tls = threading.local()  # .pool_depth: `with allocator:` (pool mode) nesting; .cycling: in a routing cycle
 _in_observer = threading.local()  # .active: the OOM observer is releasing PyTorch's cache on this thread
 
 
@@ -68,6 +87,30 @@ def _keep_forever(obj: Any) -> None:
     more, which fails an assertion (and terminates the process) for a pool made freeable here."""
     _pools_keep.append(obj)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _hold(anchor: Any) -> None:
+    """Keep an anchor alive even through interpreter exit (the routed pool must stay in PyTorch's
+    table as long as anything may allocate); _let_go() undoes it once the pool is retired."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(anchor))
+
+
+def _let_go(anchor: Any) -> None:
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(anchor))
+
+
+def _pytorch_empty_cache() -> None:
+    """PyTorch's own torch.cuda.empty_cache(), never the wrapper global mode installs."""
+    fn = torch.cuda.empty_cache
+    getattr(fn, "_spillway_wraps", fn)()
+
+
+def _awaiting_streams(device: int) -> int:
+    """Bytes of blocks on device whose tensors are gone but which PyTorch has not recycled, because
+    they were used on another stream: active (PyTorch's counter of blocks allocated or waiting for
+    streams) above allocated."""
+    s = torch.cuda.memory_stats(device)
+    return max(0, int(s.get("active_bytes.all.current", 0)) - int(s.get("allocated_bytes.all.current", 0)))
 
 
 class _SharedContext(Context):
@@ -181,6 +224,8 @@ def _oom_observer(device: int, alloc: int, device_allocated: int, device_free: i
 
 #: reclaim hook calls and how many of them gave memory back (what memory_summary reports)
 _reclaims = {"calls": 0, "freed": 0}
+#: routing cycles and the bytes of blocks awaiting other streams they brought back (memory_summary)
+_cycles = {"count": 0, "bytes": 0}
 
 
 def _reclaim(device: int) -> int:
@@ -193,7 +238,19 @@ def _reclaim(device: int) -> int:
         if a is None or not a.routed or (a.mode == "global" and device not in a._freeable):
             return 0
         before = torch.cuda.memory_reserved(device)
-        torch.cuda.empty_cache()
+        cycled = False
+        # Never wait for _lock here: its holder may be waiting for PyTorch's device lock, which this
+        # thread holds. The pool of the allocation in flight is anchored (freeable), so the cycle
+        # cannot remove it from PyTorch's table under that allocation.
+        if a.mode == "global" and not getattr(_tls, "cycling", False) and _lock.acquire(blocking=False):
+            try:
+                if _awaiting_streams(device) > 0:
+                    a._cycle([device])
+                    cycled = True
+            finally:
+                _lock.release()
+        if not cycled:
+            _pytorch_empty_cache()
         if torch.cuda.memory_reserved(device) >= before:
             return 0
         _reclaims["freed"] += 1
@@ -221,6 +278,32 @@ def _oom_error(device: int, alloc: Optional[int]) -> Exception:
         "spillway.torch.empty_cache(), or offloading frozen weights with spillway.torch.offload(...)")
     err.status = _lib.Status.ERR_OUT_OF_MEMORY
     return err
+
+
+def _install_empty_cache_hook() -> None:
+    """Global mode: make torch.cuda.empty_cache() what it is under PyTorch's own allocator, which
+    also frees the blocks that awaited other streams: while spillway routes, it is spillway's
+    empty_cache of PyTorch's cache (a routing cycle where blocks await other streams), otherwise
+    PyTorch's own. Installed once per process; code that bound the function before keeps PyTorch's."""
+    global _empty_cache_hooked
+    if _empty_cache_hooked:
+        return
+    orig = torch.cuda.empty_cache
+
+    @functools.wraps(orig)
+    def empty_cache() -> None:
+        a = current()
+        if a is not None and a.routed and a.mode == "global":
+            _torch_empty_cache(a)
+        else:
+            orig()
+
+    empty_cache._spillway_wraps = orig  # type: ignore[attr-defined]
+    torch.cuda.empty_cache = empty_cache
+    mem = getattr(torch.cuda, "memory", None)
+    if mem is not None and getattr(mem, "empty_cache", None) is orig:
+        mem.empty_cache = empty_cache
+    _empty_cache_hooked = True
 
 
 def _install_graph_guard() -> None:
@@ -266,6 +349,8 @@ class Allocator:
         self.closed = False
         self._pools: Dict[int, Any] = {}
         self._freeable: set = set()  # global mode: devices whose routed pool is freeable
+        self._anchors: Dict[int, Any] = {}  # global mode: the anchor of each device's routed pool
+        self._retired_anchors: Dict[int, Any] = {}  # the anchor of the pool the last cycle retired
         self._entered: Dict[int, int] = {}  # pool mode: device -> `with` depth (routing to _pools[device])
         self._pool_ctx: List[Any] = []
         self._pluggable = None
@@ -283,6 +368,8 @@ class Allocator:
         _lib_c.spw_torch_set_reclaim(_reclaim_cb)
         _attach_observer()
         _install_graph_guard()
+        if mode == "global":
+            _install_empty_cache_hook()
         if mode == "global":
             for d in range(torch.cuda.device_count()):
                 pool = self._pool(d)
@@ -305,11 +392,59 @@ class Allocator:
             anchor = torch.empty(512, dtype=torch.uint8, device=torch.device("cuda", device))
         except _TORCH_OOM:
             return False
-        _keep_forever(anchor)
+        _hold(anchor)
+        self._anchors[device] = anchor
         torch._C._cuda_releasePool(device, pool.id)
         torch._C._cuda_releasePool(device, pool.id)
         self._freeable.add(device)
         return True
+
+    def _cycle(self, devices: List[int]) -> int:
+        """Global mode, under _lock: one routing cycle on devices (see the module's docstring), so
+        that PyTorch recycles the blocks that await other streams. Returns the bytes that awaited.
+        Each device ends routed to a fresh pool, made freeable when its anchor could be allocated.
+        A pool is kept out of PyTorch's table only once no allocation can be in flight in it: the
+        anchor of the pool retired here is dropped by the next cycle."""
+        devices = [d for d in devices if d in self._pools]
+        if not devices:
+            return 0
+        awaited = sum(_awaiting_streams(d) for d in devices)
+        fresh: Dict[int, Any] = {}
+        for d in devices:  # first, so that a failure here leaves the routing as it was
+            with torch.cuda.device(d):
+                fresh[d] = torch.cuda.MemPool(self._pluggable)
+            _keep_forever(fresh[d])
+        _tls.cycling = True
+        ended: List[int] = []
+        try:
+            for d in devices:
+                old = self._pools[d]
+                torch._C._cuda_endAllocateToPool(d, old.id)
+                ended.append(d)
+                if d not in self._freeable:  # no longer routed to: freeable without an anchor
+                    torch._C._cuda_releasePool(d, old.id)
+                    torch._C._cuda_releasePool(d, old.id)
+                gone = self._retired_anchors.pop(d, None)
+                if gone is not None:
+                    _let_go(gone)
+                    del gone
+            _pytorch_empty_cache()  # no capture underway on these devices: deferred blocks come back
+        finally:
+            for d in ended:  # whatever happened above, no device stays outside the budget
+                torch._C._cuda_beginAllocateToPool(d, fresh[d].id)
+                self._pools[d] = fresh[d]
+                self._freeable.discard(d)
+                anchor = self._anchors.pop(d, None)
+                if anchor is not None:
+                    self._retired_anchors[d] = anchor
+            try:
+                for d in ended:
+                    self._make_freeable(d)
+            finally:
+                _tls.cycling = False
+        _cycles["count"] += 1
+        _cycles["bytes"] += awaited
+        return awaited
 
     def _pool(self, device: int) -> Any:
         pool = self._pools.get(device)
@@ -368,6 +503,10 @@ class Allocator:
             self.closed = True
             if _active is self:
                 _active = None
+
+    def collect(self) -> int:
+        """See spillway.torch.collect()."""
+        return collect() if current() is self else 0
 
     # ---- statistics (see the module functions) ----
     def memory_stats(self, device: Any = None) -> Dict[str, int]:
@@ -519,10 +658,10 @@ def reset_peak_memory_stats(device: Any = None) -> None:
 
 
 def empty_cache() -> None:
-    """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device.
-    Blocks PyTorch cannot free are kept: those of segments partly in use, in pool mode those of
-    the pool a `with` is routing to, and in global mode blocks used on another stream
-    (record_stream), which PyTorch recycles only while no pool is routed to."""
+    """Give PyTorch's cached blocks back to spillway, then spillway's cache back to the device. In
+    global mode the blocks that awaited other streams (record_stream, NCCL) come back too (see
+    collect()). Blocks PyTorch cannot free are kept: those of segments partly in use, and in pool
+    mode those of the pool a `with` is routing to, including its blocks used on another stream."""
     a = current()
     if a is not None and a.routed or (a is None and torch.cuda.is_available() and torch.cuda.is_initialized()):
         _torch_empty_cache(a)
@@ -530,18 +669,46 @@ def empty_cache() -> None:
 
 
 def _torch_empty_cache(a: Optional[Allocator]) -> None:
-    """torch.cuda.empty_cache() with the routed pools made freeable first (see the module's
-    docstring): global mode, every device spillway has a context for; pool mode, the pools no
-    `with` is routing to, retired."""
-    if a is not None and a.routed:
+    """PyTorch's empty_cache with the routed pools made freeable first (see the module's
+    docstring): global mode, every device spillway has a context for, after a routing cycle of
+    those whose blocks await other streams; pool mode, the pools no `with` is routing to, retired.
+    Inside a routing cycle (the anchor's allocation failing there), PyTorch's empty_cache only."""
+    if a is not None and a.routed and not getattr(_tls, "cycling", False):
         with _lock:
             if a.mode == "global":
-                for d in list(a._pools):
-                    if d not in a._freeable and _has_context(d):
+                used = [d for d in list(a._pools) if _has_context(d)]
+                awaiting = [d for d in used if _awaiting_streams(d) > 0]
+                if awaiting:
+                    a._cycle(awaiting)  # empties PyTorch's cache itself
+                for d in used:
+                    if d not in a._freeable:
                         a._make_freeable(d)  # in the observer, a refused anchor raises there and is caught
+                if awaiting:
+                    return
             else:
                 a._retire_pools()
-    torch.cuda.empty_cache()
+    _pytorch_empty_cache()
+
+
+def collect() -> int:
+    """Global mode: give back the blocks PyTorch keeps for tensors that were used on another stream
+    (Tensor.record_stream, NCCL collectives: DDP, FSDP) and are gone. PyTorch recycles them only
+    while no pool is routed to, so under use_allocator(mode="global") they would stay out of reach;
+    a routing cycle (see the module's docstring) brings them back to spillway. Returns the bytes
+    that awaited (0 when none did: one look at PyTorch's counters, nothing else).
+
+    A cycle waits for the other streams' work on those blocks, empties PyTorch's cache, and starts
+    a fresh pool. spillway.torch.empty_cache(), torch.cuda.empty_cache(), a segment refused under
+    the budget and the out-of-memory error do the same; call collect() once per step where other
+    streams use tensors (after optimizer.step()), so those blocks never push offloaded weights out.
+    Call it where no other thread allocates: their allocations during the cycle come from PyTorch's
+    own pool, outside the budget. Nothing to do (0) in pool mode or when nothing is routed."""
+    a = current()
+    if a is None or not a.routed or a.mode != "global":
+        return 0
+    with _lock:
+        awaiting = [d for d in list(a._pools) if _has_context(d) and _awaiting_streams(d) > 0]
+        return a._cycle(awaiting) if awaiting else 0
 
 
 def _has_context(device: int) -> bool:
@@ -569,6 +736,8 @@ def memory_summary(device: Any = None) -> str:
         f"  evictions         {s['evictions_clean']['total'] + s['evictions_dirty']['total']}, "
         f"refusals {int(_lib_c.spw_torch_oom_count(idx))}, PyTorch's cache reclaimed {_reclaims['freed']} of "
         f"{_reclaims['calls']} times asked",
+        f"  other streams     {format_size(_cycles['bytes'])} of blocks used on other streams brought back by "
+        f"{_cycles['count']} routing cycles",
         "",
         ctx.summary(),
     ]
