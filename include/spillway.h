@@ -313,6 +313,12 @@ SPW_API uint64_t spw_torch_oom_count(int device);
  * it): PyTorch's out-of-memory observer uses it to tell spillway's refusals from other OOMs. */
 SPW_API int spw_torch_oom_pending(int device);
 SPW_API spw_status spw_torch_oom_message(int device, char *buf, size_t len);
+/* What PyTorch asked of device since the process started (or the last shutdown): out[0] calls
+ * of spw_torch_alloc (PyTorch's segment allocations: it caches blocks within them), out[1]
+ * nanoseconds spent inside them (host clock, reclaim calls included), out[2] calls of
+ * spw_torch_free, out[3] nanoseconds inside those. Counts every call, refused ones too. Zeros for
+ * a bad device. */
+SPW_API void spw_torch_call_stats(int device, uint64_t out[4]);
 /* Destroy every device's context and forget the configuration (tests, process teardown).
  * SPW_ERR_STATE, changing nothing, while any context has live allocations. */
 SPW_API spw_status spw_torch_shutdown(void);

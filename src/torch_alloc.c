@@ -27,6 +27,7 @@ typedef struct torch_dev {
     double fraction;          /* memory_fraction before creation; 0 = none */
     _Atomic uint64_t ooms;
     _Atomic int pending;      /* the latest allocation on this device was refused */
+    _Atomic uint64_t n_alloc, alloc_ns, n_free, free_ns; /* spw_torch_call_stats */
     char oom_msg[1024];       /* g_lock */
 } torch_dev;
 
@@ -230,7 +231,47 @@ static void record_oom(int device) {
     pthread_mutex_unlock(&g_lock);
 }
 
+static void *torch_alloc(size_t size, int device, spw_stream stream);
+static void torch_free(void *ptr, size_t size, int device, spw_stream stream);
+
+/* The entry points time themselves (two clock reads, tens of ns against a segment's
+ * allocation): PyTorch calls them only when its own cache has no block, so the counts and times
+ * say what a step spent on segments. */
+static void count_call(int device, int is_alloc, uint64_t t0) {
+    if (device < 0 || device >= SPW_TORCH_MAX_DEVICES) return;
+    torch_dev *d = &g_dev[device];
+    uint64_t ns = spw__now_ns() - t0;
+    atomic_fetch_add_explicit(is_alloc ? &d->n_alloc : &d->n_free, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(is_alloc ? &d->alloc_ns : &d->free_ns, ns, memory_order_relaxed);
+}
+
 SPW_API void *spw_torch_alloc(size_t size, int device, spw_stream stream) {
+    uint64_t t0 = spw__now_ns();
+    void *p = torch_alloc(size, device, stream);
+    count_call(device, 1, t0);
+    return p;
+}
+
+SPW_API void spw_torch_free(void *ptr, size_t size, int device, spw_stream stream) {
+    uint64_t t0 = spw__now_ns();
+    torch_free(ptr, size, device, stream);
+    count_call(device, 0, t0);
+}
+
+SPW_API void spw_torch_call_stats(int device, uint64_t out[4]) {
+    if (!out) return;
+    if (device < 0 || device >= SPW_TORCH_MAX_DEVICES) {
+        memset(out, 0, 4 * sizeof *out);
+        return;
+    }
+    torch_dev *d = &g_dev[device];
+    out[0] = atomic_load(&d->n_alloc);
+    out[1] = atomic_load(&d->alloc_ns);
+    out[2] = atomic_load(&d->n_free);
+    out[3] = atomic_load(&d->free_ns);
+}
+
+static void *torch_alloc(size_t size, int device, spw_stream stream) {
     if (SPW_UNLIKELY(size == 0)) {
         spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_torch_alloc: size 0 (PyTorch keeps empty tensors without memory)");
         return NULL;
@@ -292,7 +333,7 @@ static spw_status wait_recorded(spw_ctx *ctx, void *ptr, spw_stream stream) {
     return SPW_OK;
 }
 
-SPW_API void spw_torch_free(void *ptr, size_t size, int device, spw_stream stream) {
+static void torch_free(void *ptr, size_t size, int device, spw_stream stream) {
     if (!ptr) return;
     spw_ctx *ctx = NULL;
     if (get_ctx(device, 0, &ctx)) {
@@ -443,6 +484,10 @@ SPW_API spw_status spw_torch_shutdown(void) {
         g_dev[d].oom_msg[0] = 0;
         atomic_store(&g_dev[d].ooms, 0);
         atomic_store(&g_dev[d].pending, 0);
+        atomic_store(&g_dev[d].n_alloc, 0);
+        atomic_store(&g_dev[d].alloc_ns, 0);
+        atomic_store(&g_dev[d].n_free, 0);
+        atomic_store(&g_dev[d].free_ns, 0);
     }
     torch_rec *r, *tmp;
     HASH_ITER(hh, g_recs, r, tmp) {

@@ -7,23 +7,35 @@ workloads (random weights from configs; nothing is downloaded):
           otherwise the same network written here: bottleneck blocks [3, 4, 6, 3], BatchNorm)
   llama   greedy generation, Llama-shaped (2048 hidden, 16 layers, fp16), batch 8, 128 + 256 tokens
 
-Each (workload, allocator) runs in its own process: default | global | pool, with deterministic
+Each (workload, allocator) runs in its own process: default | global | pool (or the list given
+to --allocators; "global+vmm=off" is mode global with the spillway option vmm=off), with deterministic
 kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG set before CUDA starts).
 The default process runs the workload a second time from the same seed: "default repeats" says
 whether the comparison can mean anything. Per row: losses (tokens) equal to the default's,
 spillway's peak held bytes against PyTorch's max_memory_reserved under the default allocator, and
-the median step time against the default's.
+the median step time against the default's. Generation times its calls after --gen-warmup
+untimed ones, training after the first min(5, steps / 5) steps: in every process the timed steps
+find PyTorch's cache warm, as a long run would.
+
+Per (workload, allocator) a diagnostic line ("diag") gives, per timed step: the step time, PyTorch's
+segment allocations and frees (num_device_alloc/num_device_free; under spillway each one is a call
+into spillway), num_alloc_retries, num_ooms, num_sync_all_streams, and under spillway its own
+count of those calls with the host time spent in them, its backend maps/unmaps
+(backend_allocs/backend_frees), the host waits of its trims (trim_syncs) and the calls of the
+reclaim hook; then the same counts over the untimed warm-up steps.
 
 Then the cap search: for each workload a cap C = static + 0.5 x (default reserved - static), with
 static the parameter bytes (x4 with AdamW: parameters, gradients, two moments; x3 with SGD and
 momentum; x1 for generation), so that the smallest batch of the ladder fits under C. Under C, the
 largest batch of the ladder that runs --cap-steps steps with use_allocator(budget=C) against the
 largest with torch.cuda.set_per_process_memory_fraction(C / total); one process per (workload,
-allocator), ascending the ladder with the model built once, the cache emptied between batches.
-These processes run at the same time (their caps fit the device together); they time nothing.
+allocator), ascending the ladder with the model built once, the cache emptied between batches
+(a model that cannot even be built under C reports largest batch 0). These processes run at the
+same time (their caps fit the device together), within --cap-secs; they time nothing.
 
     SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/peers/torch_alloc.py \\
-        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--cap-steps 2] [--no-cap] [--json out.json]
+        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--gen-steps 3] [--gen-warmup 1]
+        [--allocators default,global,pool] [--cap-workloads W,...] [--cap-steps 2] [--no-cap] [--json out.json]
 
 --smoke runs the default allocator on the CPU with tiny models and 3 steps (a check of this script,
 not a measurement); workloads that need transformers are skipped there when it is missing.
@@ -61,14 +73,22 @@ class Workload:
         self.torch, self.name, self.dev, self.smoke = torch, name, dev, smoke
         self.param_bytes = 0
 
-    def _make(self, fn):
+    def _make(self, fn, dtype=None):
+        """The model from fn() with its parameters created in dtype (default: torch's), so that
+        the build never holds a wider copy: the cap search builds it under the cap."""
         torch = self.torch
         torch.manual_seed(0)
-        if self.dev.type == "cuda" and hasattr(torch.device, "__enter__"):
-            with torch.device(self.dev):  # initialise on the device: seconds, not tens of seconds
-                m = fn()
-        else:
-            m = fn().to(self.dev)
+        old = torch.get_default_dtype()
+        if dtype is not None and dtype != old:
+            torch.set_default_dtype(dtype)
+        try:
+            if self.dev.type == "cuda" and hasattr(torch.device, "__enter__"):
+                with torch.device(self.dev):  # initialise on the device: seconds, not tens of seconds
+                    m = fn()
+            else:
+                m = fn().to(self.dev)
+        finally:
+            torch.set_default_dtype(old)
         self.param_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
         return m
 
@@ -120,7 +140,7 @@ class Workload:
                             num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096,
                             attn_implementation=ATTN)
             dtype = torch.float32 if self.dev.type == "cpu" else torch.float16
-            m = self._make(lambda: LlamaForCausalLM(cfg).to(dtype)).eval()
+            m = self._make(lambda: LlamaForCausalLM(cfg), dtype).eval()
             prompt, new = (8, 8) if self.smoke else (128, 256)
             self.tokens_per_step = new
 
@@ -200,10 +220,11 @@ def child(a: dict) -> dict:
     warnings.filterwarnings("ignore")
     dev = torch.device("cpu" if a["smoke"] else "cuda")
     alloc = None
-    if a["alloc"] in ("global", "pool"):
+    mode, options = split_alloc(a["alloc"])
+    if mode in ("global", "pool"):
         import spillway.torch as spt
 
-        alloc = spt.use_allocator(budget=a["budget"], mode=a["alloc"])
+        alloc = spt.use_allocator(budget=a["budget"], mode=mode, **options)
     elif a["alloc"] == "fraction":
         torch.cuda.set_per_process_memory_fraction(a["cap"] / torch.cuda.get_device_properties(0).total_memory)
     elif a["alloc"] != "default":
@@ -233,14 +254,24 @@ def child(a: dict) -> dict:
 
     out: dict = {}
     w = Workload(torch, a["workload"], dev, a["smoke"])
-    with Region():
-        w.build()
+    try:
+        with Region():
+            w.build()
+    except oom as e:  # only the cap search builds under a cap below the model
+        out.update(ok=a["what"] == "cap", error=f"OOM while building the model: {str(e)[:300]}", largest=0,
+                   tried=[["build", "OOM"]], static_bytes=0)
+        return out
     out["static_bytes"] = w.param_bytes * STATIC_FACTOR[a["workload"]]
     if a["what"] == "run":
         losses, times = [], []
+        skip = a.get("warmup", min(5, a["steps"] // 5))
+        marks = [counters(torch, dev, alloc)]
         try:
             with Region():
-                for _ in range(a["steps"]):
+                for i in range(a["steps"]):
+                    if i == skip and i:
+                        sync()
+                        marks.append(counters(torch, dev, alloc))
                     sync()
                     t0 = time.perf_counter()
                     losses.append(w.step(a["batch"]))
@@ -249,9 +280,17 @@ def child(a: dict) -> dict:
             out["ok"] = True
         except oom as e:
             out.update(ok=False, error=f"OOM: {str(e)[:400]}")
-        skip = min(5, len(times) // 5)
+        marks.append(counters(torch, dev, alloc))
         per = getattr(w, "tokens_per_step", 1)
-        out.update(losses=losses, step_s=statistics.median(times[skip:]) / per if times else None)
+        timed = times[skip:] or times
+        out.update(losses=losses, step_s=statistics.median(timed) / per if timed else None,
+                   step_ms=[round(1e3 * t, 3) for t in times], warmup_steps=min(skip, len(times)))
+        n_timed = max(1, len(times) - skip) if len(times) > skip else 0
+        if len(marks) == 3:
+            out["diag_warmup"] = diff(marks[1], marks[0], skip)
+            out["diag_step"] = diff(marks[2], marks[1], n_timed)
+        else:
+            out["diag_step"] = diff(marks[-1], marks[0], max(1, len(times)))
         if dev.type == "cuda":
             out.update(torch_max_reserved=torch.cuda.max_memory_reserved(),
                        torch_max_allocated=torch.cuda.max_memory_allocated())
@@ -266,6 +305,7 @@ def child(a: dict) -> dict:
             w.build()
             out["repeat_equal"] = [w.step(a["batch"]) for _ in range(n)] == losses[:n]
             out["repeat_steps"] = n
+        out["reclaims"] = reclaim_counts(alloc)
     else:  # cap: ascend the ladder with this model; stop at the first batch that does not fit
         out["largest"], out["tried"] = 0, []
         for b in a["ladder"]:
@@ -287,6 +327,74 @@ def child(a: dict) -> dict:
 
             out["spw_held_peak"] = spt.memory_stats()["held.peak"]
     return out
+
+
+def split_alloc(name: str):
+    """"global+vmm=off+frag_slack=0.1" -> ("global", {"vmm": "off", "frag_slack": "0.1"})."""
+    mode, *rest = name.split("+")
+    return mode, dict(kv.split("=", 1) for kv in rest)
+
+
+def reclaim_counts(alloc) -> dict:
+    if alloc is None:
+        return {}
+    from spillway.torch import _alloc as spa
+
+    return dict(spa._reclaims)
+
+
+def counters(torch, dev, alloc) -> dict:
+    """The cumulative counters the diagnostic compares: PyTorch's allocator events (its segments
+    come from cudaMalloc, or from spillway when routed), then spillway's own."""
+    c: dict = {}
+    if dev.type == "cuda":
+        m = torch.cuda.memory_stats()
+        for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams"):
+            c[k] = int(m.get(k, 0))
+        c["reserved_bytes"] = int(m.get("reserved_bytes.all.current", 0))
+    if alloc is not None and alloc.routed:
+        import spillway.torch as spt
+
+        s = spt.memory_stats()
+        for k in ("torch_alloc_calls", "torch_alloc_ns", "torch_free_calls", "torch_free_ns"):
+            c[k] = int(s.get(k, 0))
+        for k in ("backend_allocs", "backend_frees", "trim_syncs", "cross_stream_waits", "ooms"):
+            c[k] = int(s[f"{k}.total"])
+        c["held_bytes"] = int(s["held.current"])
+        c["reclaim_calls"] = reclaim_counts(alloc).get("calls", 0)
+    return c
+
+
+def diff(after: dict, before: dict, steps: int) -> dict:
+    """Per step over `steps` steps; *_bytes are the change over all of them."""
+    out = {"steps": steps}
+    for k, v in after.items():
+        d = v - before.get(k, 0)
+        out[k] = d if k.endswith("_bytes") else round(d / max(1, steps), 3)
+    return out
+
+
+def diag_line(w: str, alloc: str, g: dict) -> str:
+    """One line per (workload, allocator): what a step spent on segments, as the counters say."""
+    def part(d):
+        if not d or set(d) == {"steps"}:
+            return "-"
+        s = (f"PyTorch segments +{d.get('num_device_alloc', '-')} -{d.get('num_device_free', '-')} "
+             f"retries {d.get('num_alloc_retries', '-')} ooms {d.get('num_ooms', '-')} "
+             f"sync_all {d.get('num_sync_all_streams', '-')}, reserved {d.get('reserved_bytes', 0) / 1e9:+.2f} GB "
+             f"over the {d['steps']} steps")
+        if "torch_alloc_calls" in d:
+            s += (f"; spillway calls alloc {d['torch_alloc_calls']} ({d['torch_alloc_ns'] / 1e6:.3f} ms) "
+                  f"free {d['torch_free_calls']} ({d['torch_free_ns'] / 1e6:.3f} ms), maps {d['backend_allocs']} "
+                  f"unmaps {d['backend_frees']} trim_syncs {d['trim_syncs']} cross_stream {d['cross_stream_waits']} "
+                  f"reclaims {d['reclaim_calls']}")
+        return s
+    ms = g.get("step_ms") or []
+    timed = ms[g.get("warmup_steps", 0):] or ms
+    span = f"min {min(timed):.2f} max {max(timed):.2f} ms over {len(timed)}" if timed else "-"
+    return (f"diag {w:6s} {alloc:7s} step {1e3 * (g.get('step_s') or 0):.2f} ms ({span}); per timed step: "
+            f"{part(g.get('diag_step'))} | warm-up ({g.get('warmup_steps', 0)} steps), per step: "
+            f"{part(g.get('diag_warmup'))}")
 
 
 # ---------------------------------------------------------------- parent
@@ -319,10 +427,18 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="gpt2,bert,resnet,llama")
-    ap.add_argument("--steps", type=int, default=50, help="training steps per run (generation: one call of 256 tokens)")
+    ap.add_argument("--steps", type=int, default=50, help="training steps per run")
+    ap.add_argument("--gen-steps", type=int, default=3, help="generation calls (256 tokens each) per run")
+    ap.add_argument("--gen-warmup", type=int, default=1, help="untimed generation calls first, of --gen-steps")
+    ap.add_argument("--allocators", default="default,global,pool",
+                    help="compared with default, each in its own process; mode+option=value,... passes spillway "
+                         "options (e.g. global+vmm=off)")
     ap.add_argument("--repeat-steps", type=int, default=10, help="steps the default allocator repeats")
     ap.add_argument("--budget", default="90%", help="use_allocator budget of the comparison runs")
     ap.add_argument("--cap-steps", type=int, default=2, help="steps per batch in the cap search")
+    ap.add_argument("--cap-workloads", help="workloads of the cap search (default: --workloads)")
+    ap.add_argument("--cap-secs", type=float, default=200, help="time limit of the cap search (its processes run "
+                    "at the same time)")
     ap.add_argument("--cap-scale", type=float, default=0.5, help="C = static + scale x (default reserved - static)")
     ap.add_argument("--no-cap", action="store_true", help="skip the cap search")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, default allocator: checks this script")
@@ -334,7 +450,7 @@ def main() -> None:
     if args.smoke:
         allocs, steps, total, device = ("default",), 3, 0, "cpu (smoke)"
     else:
-        allocs, steps = ("default", "global", "pool"), args.steps
+        allocs, steps = tuple(dict.fromkeys(["default"] + args.allocators.split(","))), args.steps
         total, device = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
     try:
         import transformers  # noqa: F401
@@ -349,8 +465,10 @@ def main() -> None:
             print(f"{w}: transformers is not importable here: not run", flush=True)
             continue
         base = dict(workload=w, budget=args.budget, batch=DEFAULT_BATCH[w] if not args.smoke else 2,
-                    steps=1 if w == "llama" else steps, repeat_steps=1 if w == "llama" else args.repeat_steps,
-                    smoke=args.smoke, what="run", cap=0)
+                    steps=steps, repeat_steps=args.repeat_steps, smoke=args.smoke, what="run", cap=0)
+        if w == "llama":
+            gen = 1 if args.smoke else max(1, args.gen_steps)
+            base.update(steps=gen, warmup=min(args.gen_warmup, gen - 1) if not args.smoke else 0, repeat_steps=1)
         got = {}
         for alloc in allocs:  # one at a time: the step times are compared
             got[alloc] = collect(spawn(dict(base, alloc=alloc)), 150)
@@ -363,16 +481,22 @@ def main() -> None:
                    "repeat_equal": ref.get("repeat_equal"), "repeat_steps": ref.get("repeat_steps"),
                    "default_max_reserved": ref.get("torch_max_reserved"), "spw_held_peak": g.get("spw_held_peak"),
                    "torch_max_reserved": g.get("torch_max_reserved"),
-                   "step_s": g.get("step_s"), "default_step_s": ref.get("step_s")}
+                   "step_s": g.get("step_s"), "default_step_s": ref.get("step_s"),
+                   "step_ms": g.get("step_ms"), "warmup_steps": g.get("warmup_steps"),
+                   "diag_step": g.get("diag_step"), "diag_warmup": g.get("diag_warmup"), "reclaims": g.get("reclaims")}
             results["rows"].append(row)
             print(f"{w:6s} {alloc:7s} ok {row['ok']} equal {row['equal']} (default repeats: {row['repeat_equal']}) "
                   f"held {gb(row['spw_held_peak'])} vs default reserved {gb(row['default_max_reserved'])} "
                   f"step {1e3 * (row['step_s'] or 0):.2f} ms vs {1e3 * (row['default_step_s'] or 0):.2f} ms"
                   + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
+        for alloc in allocs:
+            if got[alloc].get("step_ms"):
+                print(diag_line(w, alloc, got[alloc]), flush=True)
     if not args.no_cap and not args.smoke:
         procs = []
+        cap_ws = args.cap_workloads.split(",") if args.cap_workloads else list(ran)
         for w, ref in ran.items():
-            if not ref.get("ok"):
+            if not ref.get("ok") or w not in cap_ws:
                 continue
             static, reserved = ref["static_bytes"], ref["torch_max_reserved"]
             cap = int(static + args.cap_scale * max(0, reserved - static)) // MiB * MiB
@@ -384,7 +508,7 @@ def main() -> None:
         t0 = time.perf_counter()
         best: dict = {}
         for w, alloc, cap, reserved, p in procs:
-            best[(w, alloc)] = collect(p, 200 - (time.perf_counter() - t0))
+            best[(w, alloc)] = collect(p, args.cap_secs - (time.perf_counter() - t0))
         for w in ran:
             if (w, "global") not in best:
                 continue

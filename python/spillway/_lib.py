@@ -160,6 +160,7 @@ _SIGNATURES = {
     "spw_torch_oom_count": (ctypes.c_uint64, [ctypes.c_int]),
     "spw_torch_oom_pending": (ctypes.c_int, [ctypes.c_int]),
     "spw_torch_oom_message": (status_t, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "spw_torch_call_stats": (None, [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]),
     "spw_torch_shutdown": (status_t, []),
 }
 

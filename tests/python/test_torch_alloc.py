@@ -131,6 +131,24 @@ def test_stats_functions():
     assert spt.max_memory_reserved(0) >= 10 * MiB
 
 
+def test_call_stats_count_pytorchs_segment_calls_and_their_time():
+    spt.use_allocator("32MiB", **EMU)
+    before = spt.memory_stats(0)
+    p = talloc(6 * MiB)
+    assert talloc(64 * MiB) == 0  # refused: counted as well
+    tfree(p, 6 * MiB)
+    st = spt.memory_stats(0)
+    assert st["torch_alloc_calls"] - before["torch_alloc_calls"] == 2
+    assert st["torch_free_calls"] - before["torch_free_calls"] == 1
+    assert st["torch_alloc_ns"] > before["torch_alloc_ns"] and st["torch_free_ns"] > before["torch_free_ns"]
+    _alloc._shutdown()
+    out = (_lib.ctypes.c_uint64 * 4)()
+    lib.spw_torch_call_stats(0, out)
+    assert list(out) == [0, 0, 0, 0]  # shutdown starts them again
+    lib.spw_torch_call_stats(-1, out)
+    assert list(out) == [0, 0, 0, 0]
+
+
 # ---- out of memory ----
 
 def test_refusal_becomes_torch_out_of_memory_with_spillways_message():

@@ -607,13 +607,25 @@ def release_torch_cache(ctx: Context) -> bool:
 def memory_stats(device: Any = None) -> Dict[str, int]:
     """spillway's counters of device's context, flattened ("held.current", "live.peak", ...),
     plus "weights.current"/"tensors.current" (bytes of offloaded weights on the device and of
-    everything else spillway hands to PyTorch) and "budget"."""
+    everything else spillway hands to PyTorch), "budget", and PyTorch's calls into spillway on the
+    device ("torch_alloc_calls"/"torch_free_calls": segments, and "torch_alloc_ns"/"torch_free_ns":
+    host time inside them)."""
     ctx = context(device)
     flat = ctx.memory_stats()
     flat["weights.current"] = flat["resident_bytes.current"]
     flat["weights.peak"] = flat["resident_bytes.peak"]
     flat["tensors.current"] = max(0, flat["live.current"] - flat["resident_bytes.current"])
+    flat.update(_call_stats(_device_index(device)))
     return flat
+
+
+def _call_stats(device: int) -> Dict[str, int]:
+    """PyTorch's calls into spillway on device since the process started: segment allocations
+    and frees (its cache of blocks serves the rest) and the host time spent inside them."""
+    out = (ctypes.c_uint64 * 4)()
+    _lib_c.spw_torch_call_stats(device, out)
+    return {"torch_alloc_calls": int(out[0]), "torch_alloc_ns": int(out[1]),
+            "torch_free_calls": int(out[2]), "torch_free_ns": int(out[3])}
 
 
 def _routed() -> bool:
