@@ -127,7 +127,8 @@ def test_blocks_used_on_another_stream_come_back_in_global_mode(results):
     # PyTorch's reserved bytes are the segments spillway handed out, over every pool of the device
     for c in (r1, a1, r2, a2):
         assert c["torch_reserved"] - c["spw_requested"] == r1["torch_reserved"] - r1["spw_requested"], got
-    assert r2["spw_held"] <= r1["spw_held"] + 4 * MiB, got  # round 2 reused what round 1 gave back
+    # round 2 reused what round 1 gave back (another 5 x 64 MiB held would be the leak again)
+    assert r2["spw_held"] <= r1["spw_held"] + 64 * MiB, got
     assert abs(a2["spw_live"] - a1["spw_live"]) <= 4 * MiB, got  # nothing accumulates cycle after cycle
     assert got["collect_idle"] == 0
     assert got["spw_held_peak"] <= GiB

@@ -143,7 +143,7 @@ class Reuse(nn.Module):
 def test_large_units_are_mapped_in_large_pages():
     # 8 MiB units: the offload's context maps them in 8 MiB pages (one physical allocation
     # each on cuda), so the device memory held is a whole number of them; a page never exceeds
-    # the largest unit, and the user's own choice stands
+    # what divides every unit, and the user's own choice stands
     m = frozen(nn.Sequential(*[nn.Linear(1024, 2048, bias=False) if i % 2 == 0 else nn.Linear(2048, 1024, bias=False)
                                for i in range(6)]))
     ref = copy.deepcopy(m)
@@ -156,6 +156,9 @@ def test_large_units_are_mapped_in_large_pages():
     held = off.stats()["held"]
     assert held["peak"] == 16 * MiB and held["current"] % (8 * MiB) == 0
     off.remove()
+    assert spt._offload._large_page([8 * MiB, 24 * MiB, 4096]) == 8 * MiB
+    assert spt._offload._large_page([416 * MiB + 16384, 250 * MiB]) == 2 * MiB  # a Llama layer, its embedding
+    assert spt._offload._large_page([128 * MiB] * 32) == 32 * MiB
     off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
     for _ in range(3):
         assert torch.equal(m(x), ref(x))

@@ -58,11 +58,16 @@ _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 _LARGE_PAGE_MAX = 32 << 20  # the default large page of an offload's own context, at most
 
 
-def _large_page(largest: int) -> int:
-    """The default vmm_large_page for units of at most `largest` bytes: the largest power of two
-    not above it, between the granularity and 32 MiB (a small model keeps fine pages)."""
+def _large_page(sizes: Iterable[int]) -> int:
+    """The default vmm_large_page for units of these sizes: the largest power of two up to 32 MiB
+    that divides every unit above 1 MiB (those the large-block arena holds), else the 2 MiB
+    granularity. Units then tile whole pages: with a page that a unit only partly fills, the
+    arena could not give the rest back when another size needs the room, and waited for the GPU
+    to trim instead (measured: prefill of 416 MiB layers and 250 MiB embeddings under 32 MiB
+    pages spent 100 ms in single acquires)."""
+    large = [n for n in sizes if n > (1 << 20)]
     page = _ARENA_PAGE
-    while page * 2 <= min(largest, _LARGE_PAGE_MAX):
+    while large and page < _LARGE_PAGE_MAX and all(n % (page * 2) == 0 for n in large):
         page *= 2
     return page
 _VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
@@ -235,7 +240,7 @@ class Offload:
         # into 32 MiB pages (H200). A page is never larger than the largest unit.
         page = _ARENA_PAGE
         if shared is None:
-            ctx_opts.setdefault("vmm_large_page", _large_page(largest.nbytes))
+            ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
             page = max(page, parse_size(str(ctx_opts["vmm_large_page"])))
         # The device arena maps memory in pages: a unit occupies at least its size rounded up.
         need = _align(largest.nbytes, page)
