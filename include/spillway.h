@@ -193,7 +193,7 @@ SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f);
  * pool, or the caller's memory via spw_buf_register_host) and, while resident, a device copy
  * taken from the same budget as spw_malloc. Under budget pressure unpinned buffers are evicted
  * by the policy (option policy=lru|plan); clean and dead data are dropped, never written back.
- * Options: residency=explicit|managed, policy=lru (issue 4 adds plan), host_budget=SIZE (pinned
+ * Options: residency=explicit|managed, policy=lru|plan, host_budget=SIZE (pinned
  * host pool; default 50% of RAM), trace=FILE (Chrome trace JSON of copies, evictions, stalls).
  * Threads: any call from any thread; engine state is guarded by the context lock, which is
  * never held while waiting for a transfer (spw_buf_read/write/destroy wait without it).

@@ -1,6 +1,6 @@
 /*
  * Offline models of what an offload policy moves over a loaded access trace: the yardsticks that
- * `spillway simulate --compare` and the tests hold the engine to (issues 3 and 4).
+ * `spillway simulate --compare` and the tests hold the engine to.
  *
  * Both models share one accounting, the one the engine's statistics use:
  * - Buffers start in host memory, not resident. Creating one moves nothing.

@@ -227,7 +227,7 @@ static void test_models_cyclic64(void **state) {
     spw__access_free(&t);
 }
 
-/* On train16 the oracle never moves more than LRU, at the budgets. */
+/* On train16 the oracle never moves more than LRU, at 35, 50 and 75% of the footprint. */
 static void test_models_train16(void **state) {
     (void)state;
     spw_access_trace t;

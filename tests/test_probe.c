@@ -308,10 +308,10 @@ static void cli_json_emu(void **state) {
     free(out);
 }
 
-/* make test-gpu: the real probe's JSON on the GPU, with the acceptance figures of issue 5:
+/* make test-gpu: the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
  * pinned copies within 5% of 55 GB/s each way, both ways within 10% of 99 GB/s, the self-test
  * chunk flagged and no VRAM chunk flagged. */
-/* Bounds of issue 5 on one probe's JSON; NULL when met, else what is off (static text). */
+/* Those bounds on one probe's JSON; NULL when met, else what is off (static text). */
 static const char *gpu_figures_off(const char *out, char *why, size_t len) {
     static const struct { const char *key; double lo, hi; } paths[] = {
         {"\"pinned_h2d\":{", 55.0 * 0.95, 55.0 * 1.05},
@@ -330,7 +330,7 @@ static const char *gpu_figures_off(const char *out, char *why, size_t len) {
     return NULL;
 }
 
-/* make test-gpu: the real probe's JSON on the GPU, with the acceptance figures of issue 5:
+/* make test-gpu: the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
  * pinned copies within 5% of 55 GB/s each way, both ways within 10% of 99 GB/s, the self-test
  * chunk flagged and no VRAM chunk flagged. Bidirectional PCIe throughput varies from run to
  * run with where the host buffers land (seen: 85 to 102 GB/s on the H200), so a run whose

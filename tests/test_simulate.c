@@ -140,7 +140,7 @@ static void test_engine_json(void **state) {
     free(out);
 }
 
-/* ENGINE: issue 3's acceptance on cyclic64 (scaled by 16 to stay quick: 4 MiB layers):
+/* ENGINE: the engine's bound on cyclic64 (scaled by 16 to stay quick: 4 MiB layers):
  * policy=lru moves no more than the plain LRU model after the first step, and no data is lost. */
 static void test_engine_cyclic64_lru(void **state) {
     (void)state;

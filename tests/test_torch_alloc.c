@@ -183,6 +183,37 @@ static void null_and_double_free(void **s) {
     assert_msg_has("device 7 has no context");
 }
 
+/* spw_torch_call_stats counts every call of the entry points per device, refused ones too, and
+ * spw_torch_shutdown starts the counts over. */
+static void call_stats(void **s) {
+    (void)s;
+    uint64_t c[4] = {9, 9, 9, 9};
+    spw_torch_call_stats(0, c);
+    assert_true(c[0] == 0 && c[1] == 0 && c[2] == 0 && c[3] == 0);
+    void *p = spw_torch_alloc(MiB, 0, NULL);
+    assert_non_null(p);
+    assert_null(spw_torch_alloc(64 * MiB, 0, NULL)); /* past the 8 MiB budget: counted */
+    spw_torch_free(p, MiB, 0, NULL);
+    void *q = spw_torch_alloc(MiB, 1, NULL);
+    assert_non_null(q);
+    spw_torch_call_stats(0, c);
+    assert_int_equal(c[0], 2);
+    assert_int_equal(c[2], 1);
+    assert_true(c[1] > 0 && c[3] > 0);
+    spw_torch_call_stats(1, c);
+    assert_int_equal(c[0], 1);
+    assert_int_equal(c[2], 0);
+    c[0] = 5;
+    spw_torch_call_stats(-1, c); /* a bad device: zeros */
+    assert_int_equal(c[0], 0);
+    spw_torch_call_stats(0, NULL);
+    spw_torch_free(q, MiB, 1, NULL);
+    assert_ok(spw_torch_shutdown());
+    spw_torch_call_stats(0, c);
+    assert_int_equal(c[0], 0);
+    assert_ok(spw_torch_configure(CONF));
+}
+
 static void stream_reuse(void **s) {
     (void)s;
     spw_ctx *c = ctx_of(0);
@@ -363,6 +394,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(budget_and_oom_message, setup, teardown),
         cmocka_unit_test_setup_teardown(reclaim_hook, setup, teardown),
         cmocka_unit_test_setup_teardown(null_and_double_free, setup, teardown),
+        cmocka_unit_test_setup_teardown(call_stats, setup, teardown),
         cmocka_unit_test_setup_teardown(stream_reuse, setup, teardown),
         cmocka_unit_test_setup_teardown(record_stream_orders_reuse, setup, teardown),
         cmocka_unit_test_setup_teardown(reset_returns_cache, setup, teardown),

@@ -53,7 +53,7 @@ static void usage(FILE *f) {
             "result against the same chain on all-resident weights; reports ms per pass, bytes\n"
             "moved, GB/s and the ratio to the link bound (bytes moved / pinned H2D rate measured\n"
             "in the same run) and to the all-resident time.\n\n"
-            "Defaults on cuda: --layers 32 --layer-mib 128 --batch 16 --passes 24 (the issue's\n"
+            "Defaults on cuda: --layers 32 --layer-mib 128 --batch 16 --passes 24 (the\n"
             "acceptance run: add --budget 2GiB); on emu (no GPU): --layers 8 --layer-mib 2\n"
             "--batch 16 --passes 4, a host stand-in for the product. --budget defaults to half\n"
             "the model plus the activations (rounded up to 2 MiB).\n"
