@@ -501,16 +501,23 @@ static void vmm_check(spw_backend *b, const void *src, size_t n, uint64_t seed, 
     assert_ok(b->ops->host_free(b, h));
 }
 
-static void test_vmm_map_unmap(void **state) {
-    (void)state;
+/* The backend, its device info in *d; the test is skipped where VMM is unsupported. */
+static spw_backend *open_vmm_backend(spw_device_info *d) {
     spw_backend *b = open_backend();
-    const spw_backend_ops *o = b->ops;
-    spw_device_info d = info_of(b);
-    if (!d.vmm_supported) {
-        print_message("VMM not supported on %s: skipped\n", d.name);
+    *d = info_of(b);
+    if (!d->vmm_supported) {
+        print_message("VMM not supported on %s: skipped\n", d->name);
         b->ops->destroy(b);
         skip();
     }
+    return b;
+}
+
+static void test_vmm_map_unmap(void **state) {
+    (void)state;
+    spw_device_info d;
+    spw_backend *b = open_vmm_backend(&d);
+    const spw_backend_ops *o = b->ops;
     const size_t g = d.vmm_granularity, R = 64 * SPW_GiB;
     size_t free0 = 0;
     assert_ok(o->mem_info(b, &free0, NULL));
@@ -576,12 +583,8 @@ static void test_vmm_map_unmap(void **state) {
 /* destroy returns mapped granules and reservations; two reservations are told apart. */
 static void test_vmm_destroy_releases(void **state) {
     (void)state;
-    spw_backend *b = open_backend();
-    spw_device_info d = info_of(b);
-    if (!d.vmm_supported) {
-        b->ops->destroy(b);
-        skip();
-    }
+    spw_device_info d;
+    spw_backend *b = open_vmm_backend(&d);
     const size_t g = d.vmm_granularity, n = 128; /* 256 MiB at 2 MiB granules */
     size_t free0 = 0, free1 = 0, free2 = 0;
     assert_ok(b->ops->mem_info(b, &free0, NULL));
@@ -609,12 +612,8 @@ static void test_vmm_destroy_releases(void **state) {
  * them reads back. */
 static void test_vmm_large_page(void **state) {
     (void)state;
-    spw_backend *b = open_backend();
-    spw_device_info d = info_of(b);
-    if (!d.vmm_supported) {
-        b->ops->destroy(b);
-        skip();
-    }
+    spw_device_info d;
+    spw_backend *b = open_vmm_backend(&d);
     const size_t g = d.vmm_granularity, P = 16 * g;
     char *va = NULL;
     assert_status(b->ops->va_reserve(b, 4 * P, 3 * g, (void **)&va), SPW_ERR_INVALID_ARGUMENT);
@@ -638,13 +637,9 @@ static void test_vmm_large_page(void **state) {
  * with one granule at a time, so it takes a few seconds on a large GPU. */
 static void test_vmm_map_oom_rolls_back(void **state) {
     (void)state;
-    spw_backend *b = open_backend();
+    spw_device_info d;
+    spw_backend *b = open_vmm_backend(&d);
     const spw_backend_ops *o = b->ops;
-    spw_device_info d = info_of(b);
-    if (!d.vmm_supported) {
-        b->ops->destroy(b);
-        skip();
-    }
     const size_t g = d.vmm_granularity;
     size_t free0 = 0, free1 = 0;
     assert_ok(o->mem_info(b, &free0, NULL));
@@ -688,12 +683,8 @@ static void *vmm_churn(void *arg) {
 
 static void test_vmm_threads(void **state) {
     (void)state;
-    spw_backend *b = open_backend();
-    spw_device_info d = info_of(b);
-    if (!d.vmm_supported) {
-        b->ops->destroy(b);
-        skip();
-    }
+    spw_device_info d;
+    spw_backend *b = open_vmm_backend(&d);
     const size_t g = d.vmm_granularity;
     char *va = NULL;
     assert_ok(b->ops->va_reserve(b, 8 * g, 0, (void **)&va));
