@@ -142,10 +142,10 @@ if has pytest-alloc; then
     "$OUT/pytest-torch-alloc.log" | cut -c1-600
 fi
 if has torchalloc; then
-  # the acceptance workloads (bench/peers/torch_alloc.py, about 200-250 s; TORCH_ALLOC_ARGS
+  # the acceptance workloads (bench/peers/torch_alloc.py, about 300-370 s; TORCH_ALLOC_ARGS
   # narrows them, e.g. "--workloads gpt2 --steps 20")
   log "bench/peers/torch_alloc.py"
-  pyrun torch_alloc ${TORCH_ALLOC_SECS:-300} bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-}
+  pyrun torch_alloc ${TORCH_ALLOC_SECS:-420} bench/peers/torch_alloc.py ${TORCH_ALLOC_ARGS:-}
 fi
 if has ddp; then
   # two GPUs: DDP with use_allocator per rank and a budget per device; then the interposer with

@@ -34,7 +34,7 @@ allocator), ascending the ladder with the model built once, the cache emptied be
 same time (their caps fit the device together), within --cap-secs; they time nothing.
 
     SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/peers/torch_alloc.py \\
-        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--gen-steps 3] [--gen-warmup 1]
+        [--workloads gpt2,bert,resnet,llama] [--steps 50] [--gen-steps 6] [--gen-warmup 1]
         [--allocators default,global,pool] [--cap-workloads W,...] [--cap-steps 2] [--no-cap] [--json out.json]
 
 --smoke runs the default allocator on the CPU with tiny models and 3 steps (a check of this script,
@@ -428,7 +428,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="gpt2,bert,resnet,llama")
     ap.add_argument("--steps", type=int, default=50, help="training steps per run")
-    ap.add_argument("--gen-steps", type=int, default=3, help="generation calls (256 tokens each) per run")
+    ap.add_argument("--gen-steps", type=int, default=6, help="generation calls (256 tokens each) per run: one process's calls differ by up to 6%%, so the median of five")
     ap.add_argument("--gen-warmup", type=int, default=1, help="untimed generation calls first, of --gen-steps")
     ap.add_argument("--allocators", default="default,global,pool",
                     help="compared with default, each in its own process; mode+option=value,... passes spillway "
