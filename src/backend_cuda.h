@@ -42,7 +42,7 @@ typedef struct cuda_resv {
     uintptr_t base;
     size_t bytes;
     size_t page;
-    size_t granules; /* pages */
+    size_t pages;
     size_t mapped_count;
     CUmemGenericAllocationHandle *handles;
     unsigned char *mapped;

@@ -98,7 +98,7 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, size_t page, void 
     r->base = (uintptr_t)p;
     r->bytes = rounded;
     r->page = g;
-    r->granules = n;
+    r->pages = n;
     pthread_mutex_lock(&c->lock);
     r->next = c->resv;
     c->resv = r;
@@ -109,7 +109,7 @@ spw_status spw__cuda_va_reserve(spw_backend *b, size_t bytes, size_t page, void 
 
 /* Unmap and release pages [first, first + count) of r, all mapped. Returns the first error;
  * pages whose unmap failed stay recorded as mapped. Called with c->lock held. */
-static spw_status unmap_granules(cuda_backend *c, cuda_resv *r, size_t first, size_t count) {
+static spw_status unmap_pages(cuda_backend *c, cuda_resv *r, size_t first, size_t count) {
     spw_status st = SPW_OK;
     size_t g = r->page;
     for (size_t i = first; i < first + count; i++) {
@@ -210,7 +210,7 @@ spw_status spw__cuda_map(spw_backend *b, void *va, size_t bytes) {
          * message is the one reported. */
         char keep[1024];
         snprintf(keep, sizeof keep, "%s", spw_last_error());
-        (void)unmap_granules(c, r, first, done);
+        (void)unmap_pages(c, r, first, done);
         spw__error(st, "%s", keep);
     }
     pthread_mutex_unlock(&c->lock);
@@ -232,7 +232,7 @@ spw_status spw__cuda_unmap(spw_backend *b, void *va, size_t bytes) {
         if (!r->mapped[i])
             st = spw__error(SPW_ERR_STATE, "cuda: unmap(%p, %zu B): page at %p is not mapped",
                             va, bytes, (void *)(r->base + i * r->page));
-    if (st == SPW_OK) st = unmap_granules(c, r, first, count);
+    if (st == SPW_OK) st = unmap_pages(c, r, first, count);
     pthread_mutex_unlock(&c->lock);
     return st;
 }
@@ -278,8 +278,8 @@ void spw__cuda_vmm_release_all(cuda_backend *c) {
     while (c->resv) {
         cuda_resv *r = c->resv;
         c->resv = r->next;
-        for (size_t i = 0; i < r->granules; i++)
-            if (r->mapped[i]) (void)unmap_granules(c, r, i, 1);
+        for (size_t i = 0; i < r->pages; i++)
+            if (r->mapped[i]) (void)unmap_pages(c, r, i, 1);
         (void)c->cu.address_free((CUdeviceptr)r->base, r->bytes);
         free_resv(r);
     }
