@@ -57,7 +57,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -111,6 +111,16 @@ def _awaiting_streams(device: int) -> int:
     streams) above allocated."""
     s = torch.cuda.memory_stats(device)
     return max(0, int(s.get("active_bytes.all.current", 0)) - int(s.get("allocated_bytes.all.current", 0)))
+
+
+def _awaiting(devices: Iterable[int]) -> Dict[int, int]:
+    """device -> _awaiting_streams(device), for those of devices where blocks await."""
+    out = {}
+    for d in devices:
+        n = _awaiting_streams(d)
+        if n > 0:
+            out[d] = n
+    return out
 
 
 class _SharedContext(Context):
@@ -244,8 +254,9 @@ def _reclaim(device: int) -> int:
         # cannot remove it from PyTorch's table under that allocation.
         if a.mode == "global" and not getattr(_tls, "cycling", False) and _lock.acquire(blocking=False):
             try:
-                if _awaiting_streams(device) > 0:
-                    a._cycle([device])
+                awaiting = _awaiting([device])
+                if awaiting:
+                    a._cycle(awaiting)
                     cycled = True
             finally:
                 _lock.release()
@@ -399,16 +410,17 @@ class Allocator:
         self._freeable.add(device)
         return True
 
-    def _cycle(self, devices: List[int]) -> int:
-        """Global mode, under _lock: one routing cycle on devices (see the module's docstring), so
-        that PyTorch recycles the blocks that await other streams. Returns the bytes that awaited.
+    def _cycle(self, awaiting: Dict[int, int]) -> int:
+        """Global mode, under _lock: one routing cycle on the devices of `awaiting` (see the
+        module's docstring; _awaiting() gives it: device -> bytes awaiting other streams), so
+        that PyTorch recycles those blocks. Returns the bytes that awaited.
         Each device ends routed to a fresh pool, made freeable when its anchor could be allocated.
         A pool is kept out of PyTorch's table only once no allocation can be in flight in it: the
         anchor of the pool retired here is dropped by the next cycle."""
-        devices = [d for d in devices if d in self._pools]
+        devices = [d for d in awaiting if d in self._pools]
         if not devices:
             return 0
-        awaited = sum(_awaiting_streams(d) for d in devices)
+        awaited = sum(awaiting[d] for d in devices)
         fresh: Dict[int, Any] = {}
         for d in devices:  # first, so that a failure here leaves the routing as it was
             with torch.cuda.device(d):
@@ -689,7 +701,7 @@ def _torch_empty_cache(a: Optional[Allocator]) -> None:
         with _lock:
             if a.mode == "global":
                 used = [d for d in list(a._pools) if _has_context(d)]
-                awaiting = [d for d in used if _awaiting_streams(d) > 0]
+                awaiting = _awaiting(used)
                 if awaiting:
                     a._cycle(awaiting)  # empties PyTorch's cache itself
                 for d in used:
@@ -719,7 +731,7 @@ def collect() -> int:
     if a is None or not a.routed or a.mode != "global":
         return 0
     with _lock:
-        awaiting = [d for d in list(a._pools) if _has_context(d) and _awaiting_streams(d) > 0]
+        awaiting = _awaiting(d for d in list(a._pools) if _has_context(d))
         return a._cycle(awaiting) if awaiting else 0
 
 
