@@ -137,11 +137,14 @@ static spw_status unmap_pages(cuda_backend *c, cuda_resv *r, size_t first, size_
 static spw_status locate(cuda_backend *c, const char *op, void *va, size_t bytes, cuda_resv **r,
                          size_t *first, size_t *count) {
     uintptr_t a = (uintptr_t)va;
-    *r = va && bytes ? find_resv(c, a, bytes) : NULL;
-    if (!*r && va && bytes && a % c->granularity == 0 && bytes % c->granularity == 0)
-        return spw__error(SPW_ERR_NOT_FOUND, "cuda: %s(%p, %zu B): not inside one reservation", op,
-                          va, bytes);
-    size_t g = *r ? (*r)->page : c->granularity;
+    size_t g = c->granularity;
+    *r = NULL;
+    if (va && bytes && a % g == 0 && bytes % g == 0) {
+        if (!(*r = find_resv(c, a, bytes)))
+            return spw__error(SPW_ERR_NOT_FOUND, "cuda: %s(%p, %zu B): not inside one reservation",
+                              op, va, bytes);
+        g = (*r)->page;
+    }
     if (!*r || a % g != 0 || bytes % g != 0)
         return spw__error(SPW_ERR_INVALID_ARGUMENT,
                           "cuda: %s(%p, %zu B): address and size must be non-zero multiples of "
