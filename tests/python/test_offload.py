@@ -150,6 +150,9 @@ def test_large_units_are_mapped_in_large_pages():
     x = torch.randn(3, 1024)
     with pytest.raises(spillway.ConfigError, match="8.00 MiB pages"):
         spt.offload(copy.deepcopy(m), budget="6MiB", **EMU)
+    # a page the user gives is rounded as the library rounds it: 12 MiB pages are 16 MiB ones
+    with pytest.raises(spillway.ConfigError, match="16.00 MiB pages"):
+        spt.offload(copy.deepcopy(m), budget="12MiB", vmm_large_page="12MiB", **EMU)
     off = spt.offload(m, budget="20MiB", **EMU)
     for _ in range(3):
         assert torch.equal(m(x), ref(x))

@@ -56,6 +56,7 @@ _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 _LARGE_PAGE_MAX = 32 << 20  # the default large page of an offload's own context, at most
+_VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
 
 
 def _large_page(sizes: Iterable[int]) -> int:
@@ -70,7 +71,16 @@ def _large_page(sizes: Iterable[int]) -> int:
     while large and page < _LARGE_PAGE_MAX and all(n % (page * 2) == 0 for n in large):
         page *= 2
     return page
-_VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
+
+
+def _arena_page(requested: int) -> int:
+    """The large-block arena's page for option vmm_large_page=requested, as the library rounds it:
+    a power of two from the granularity up."""
+    page = _ARENA_PAGE
+    while page < requested:
+        page *= 2
+    return page
+
 
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
 
@@ -241,7 +251,7 @@ class Offload:
         page = _ARENA_PAGE
         if shared is None:
             ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
-            page = max(page, parse_size(str(ctx_opts["vmm_large_page"])))
+            page = _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
         # The device arena maps memory in pages: a unit occupies at least its size rounded up.
         need = _align(largest.nbytes, page)
         if budget_v < need:
