@@ -257,7 +257,8 @@ SPW_API spw_status spw_step_end(spw_ctx *ctx);
  * header needed), one context per device, created on the first allocation for that device from
  * the defaults, then SPILLWAY_CONF, then spw_torch_configure()'s list; the `device` option is the
  * device PyTorch names. `budget` may be per device in either list: "budget=0:4GiB;1:8GiB"
- * (devices not listed keep the default, 90%). grow_ahead defaults to 0 here.
+ * (devices not listed keep the default, 90%). grow_ahead defaults to 0 and vmm to off here:
+ * PyTorch caches blocks of whole segments itself, and a plain segment is much cheaper to create.
  * Every function may be called from any thread. The allocate path reads the device's context
  * without a lock once it exists, then takes only that context's lock (spw_malloc).
  * spillway.torch.use_allocator registers spw_torch_alloc/spw_torch_free through

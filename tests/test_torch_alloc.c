@@ -80,6 +80,7 @@ static void per_device_contexts(void **s) {
     assert_int_equal(c0->cfg.device, 0);
     assert_int_equal(c1->cfg.device, 1);
     assert_int_equal(c0->cfg.grow_ahead == 0, 1);
+    assert_int_equal(c0->cfg.vmm, SPW_TRI_OFF); /* plain segments unless asked */
     /* a pointer of device 1 is not device 0's */
     spw_torch_free(p1, MiB, 0, NULL);
     assert_msg_has("was not allocated by this context");
@@ -333,10 +334,11 @@ static void configuration(void **s) {
     assert_msg_has("chosen by PyTorch");
     /* SPILLWAY_CONF first, then the configured list */
     setenv("SPILLWAY_CONF", "backend=emu,emu_capacity=128MiB,budget=0:4MiB;1:6MiB", 1);
-    assert_ok(spw_torch_configure("budget=1:10MiB"));
+    assert_ok(spw_torch_configure("budget=1:10MiB,vmm=auto"));
     void *p0 = spw_torch_alloc(MiB, 0, NULL), *p1 = spw_torch_alloc(MiB, 1, NULL);
     assert_int_equal(spw_ctx_budget(ctx_of(0)), 4 * MiB);
     assert_int_equal(spw_ctx_budget(ctx_of(1)), 10 * MiB);
+    assert_int_equal(ctx_of(0)->cfg.vmm, SPW_TRI_AUTO); /* the list overrides the vmm=off default */
     /* options apply at creation: refused once a context exists */
     assert_status(spw_torch_configure("budget=1GiB"), SPW_ERR_STATE);
     assert_msg_has("already exists");
