@@ -293,7 +293,8 @@ def child(a: dict) -> dict:
             out["diag_step"] = diff(marks[-1], marks[0], max(1, len(times)))
         if dev.type == "cuda":
             out.update(torch_max_reserved=torch.cuda.max_memory_reserved(),
-                       torch_max_allocated=torch.cuda.max_memory_allocated())
+                       torch_max_allocated=torch.cuda.max_memory_allocated(),
+                       segments=segment_sizes(torch))
         if alloc is not None:
             import spillway.torch as spt
 
@@ -327,6 +328,16 @@ def child(a: dict) -> dict:
 
             out["spw_held_peak"] = spt.memory_stats()["held.peak"]
     return out
+
+
+def segment_sizes(torch) -> dict:
+    """PyTorch's segments at the end of the run, by size: {"MiB": count}, largest first (what
+    its caching allocator reserved, whichever memory source it used)."""
+    sizes: dict = {}
+    for seg in torch.cuda.memory_snapshot():
+        k = f"{seg['total_size'] / (1 << 20):g}"
+        sizes[k] = sizes.get(k, 0) + 1
+    return dict(sorted(sizes.items(), key=lambda kv: -float(kv[0])))
 
 
 def split_alloc(name: str):
@@ -392,9 +403,11 @@ def diag_line(w: str, alloc: str, g: dict) -> str:
     ms = g.get("step_ms") or []
     timed = ms[g.get("warmup_steps", 0):] or ms
     span = f"min {min(timed):.2f} max {max(timed):.2f} ms over {len(timed)}" if timed else "-"
+    segs = g.get("segments")
+    segs = ", ".join(f"{n} x {mib} MiB" for mib, n in segs.items()) if segs else "-"
     return (f"diag {w:6s} {alloc:7s} step {1e3 * (g.get('step_s') or 0):.2f} ms ({span}); per timed step: "
             f"{part(g.get('diag_step'))} | warm-up ({g.get('warmup_steps', 0)} steps), per step: "
-            f"{part(g.get('diag_warmup'))}")
+            f"{part(g.get('diag_warmup'))} | segments at the end: {segs}")
 
 
 # ---------------------------------------------------------------- parent

@@ -122,7 +122,7 @@ def spillway_attach(cfg, model, blocks, policy):
             raise Skip(f"import spillway.torch failed: {e}")
         raise
     off = st.offload(model, budget=cfg.budget_str, policy=policy,
-                     backend="cuda" if cfg.cuda else "emu")
+                     backend="cuda" if cfg.cuda else "emu", **cfg.spw_options)
     note = ""
     if cfg.cuda:
         managed = {id(e.tensor) for u in off.units for e in u.entries}
@@ -871,7 +871,8 @@ def child_argv(args, workload, variant, ref_dir):
             "--tokens", str(args.tokens), "--accel-tokens", str(args.accel_tokens),
             "--passes", str(args.passes), "--prefill-passes", str(args.prefill_passes),
             "--decode-passes", str(args.decode_passes), "--search-passes", str(args.search_passes),
-            "--warmup", str(args.warmup), "--split-fit", args.split_fit]
+            "--warmup", str(args.warmup), "--split-fit", args.split_fit,
+            "--spillway-options", args.spillway_options]
     if args.nondeterministic:
         argv.append("--nondeterministic")
     return argv + (["--smoke"] if args.smoke else [])
@@ -954,6 +955,8 @@ def main():
                         "torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG=:4096:8, so "
                         "that the resident model decodes the same tokens twice and the decode can be "
                         "compared bitwise)")
+    p.add_argument("--spillway-options", default="",
+                   help="more options for the spillway rows' offload(): 'vmm=off,vmm_large_page=32MiB'")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds per variant process")
     p.add_argument("--json", help="write all rows to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the cpu: the control flow only")
@@ -979,6 +982,10 @@ def main():
                                 a_passes=args.passes, prefill_passes=args.prefill_passes,
                                 decode_passes=args.decode_passes, search_passes=args.search_passes,
                                 warmup=args.warmup, ref_dir=args.ref_dir)
+    try:
+        cfg.spw_options = dict(kv.split("=", 1) for kv in args.spillway_options.split(",") if kv.strip())
+    except ValueError:
+        p.error(f"--spillway-options: {args.spillway_options!r} is not a list of key=value")
     cfg.dev = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     cfg.cuda = cfg.dev.type == "cuda"
     if cfg.cuda and not torch.cuda.is_available():
@@ -1016,6 +1023,8 @@ def main():
     if not args.nondeterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     print(f"kernels: {'torch defaults' if args.nondeterministic else 'deterministic (use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8)'}")
+    if cfg.spw_options:
+        print(f"spillway rows: offload(..., {', '.join(f'{k}={v!r}' for k, v in cfg.spw_options.items())})")
     for wl in workloads:
         order = ["resident"] + [s for s in variants if s != "resident"]  # the reference comes first
         for name in order:
