@@ -9,7 +9,11 @@
  *   Invariants: HOLE blocks start and end on page boundaries and cover only unmapped pages; every
  *   page that overlaps a FREE or LIVE block is mapped. No two HOLE blocks are adjacent.
  * - Segments (no VMM): memory comes from dev_alloc in segments tiled by FREE and LIVE blocks;
- *   a segment is returned when it is entirely free.
+ *   a segment is returned when it is entirely free. With `whole` (the large arena) a block is
+ *   its entire segment: never split, reused only by a request of the same size in pages. Every
+ *   cached block is then a segment a trim can return, so blocks of different owners (PyTorch's
+ *   segments, offloaded weights) never pin each other's cached memory; the cost is a fresh
+ *   dev_alloc where another size is cached (the trim returns that one when the budget needs it).
  *
  * Stream order: every FREE and LIVE block belongs to a stream pool. A FREE block is reused at
  * once by its own stream; another stream may take it only after waiting on an event recorded
@@ -237,7 +241,7 @@ static void absorb_next(spw_arena *a, spw_block *b) {
 static void carve(spw_arena *a, spw_block *b, size_t n, spool *p) {
     b->pool = p;
     b->state = B_LIVE;
-    if (b->size - n >= ROUND) {
+    if (!a->p.whole && b->size - n >= ROUND) {
         spw_block *t = split_tail(a, b, n, B_FREE, NULL);
         if (t) {
             /* the tail may now touch a FREE neighbour of the same pool */
@@ -360,8 +364,23 @@ static spw_status adopt_cross_stream(spw_arena *a, spool *owner, spool *p) {
     return SPW_OK;
 }
 
+/* The segment a request of n bytes gets (non-VMM). */
+static size_t segment_size(const spw_arena *a, size_t n) {
+    return SPW_ALIGN_UP(SPW_MAX(n, a->p.min_segment), a->p.page);
+}
+
+/* The cached block of p that serves n: the best fit, or with whole segments a block of exactly
+ * the segment size n would get. */
+static spw_block *pool_fit(const spw_arena *a, const spool *p, size_t n) {
+    if (!a->p.whole) return pool_best_fit(p, n);
+    size_t want = segment_size(a, n);
+    for (spw_block *b = p->bins[bin_of(want)]; b; b = b->fnext)
+        if (b->size == want) return b;
+    return NULL;
+}
+
 static spw_block *take_cached(spw_arena *a, spool *p, size_t n) {
-    spw_block *b = pool_best_fit(p, n);
+    spw_block *b = pool_fit(a, p, n);
     if (SPW_LIKELY(b)) {
         bin_remove(p, b);
         carve(a, b, n, p);
@@ -371,7 +390,7 @@ static spw_block *take_cached(spw_arena *a, spool *p, size_t n) {
     for (size_t i = 0; i < a->npools; i++) {
         spool *q = a->pools[i];
         if (q == p) continue;
-        spw_block *c = pool_best_fit(q, n);
+        spw_block *c = pool_fit(a, q, n);
         if (c && (!b || c->size < b->size)) {
             b = c;
             owner = q;
@@ -600,7 +619,7 @@ static spw_status grow_vmm(spw_arena *a, spool *p, size_t n, const placement *pl
 }
 
 static spw_status grow_segment(spw_arena *a, spool *p, size_t n, spw_block **out) {
-    size_t size = SPW_ALIGN_UP(SPW_MAX(n, a->p.min_segment), a->p.page);
+    size_t size = segment_size(a, n);
     if (!spw__ctx_can_hold(a->ctx, size)) return SPW_ERR_OUT_OF_MEMORY;
     seg *s = calloc(1, sizeof *s);
     spw_block *b = block_new(a);

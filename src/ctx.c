@@ -130,6 +130,7 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     ap.min_segment = 2 * SPW_MiB;
     if ((st = spw__arena_create(&ap, &ctx->small))) goto fail;
     ap.name = "large";
+    ap.whole = !vmm;
     ap.page = large_page;
     ap.reserve_bytes = reserve;
     ap.min_segment = 2 * SPW_MiB;

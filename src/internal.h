@@ -103,6 +103,7 @@ typedef struct spw_arena_params {
     size_t page;             /* mapping granularity (VMM) or segment rounding */
     size_t min_segment;      /* non-VMM: smallest segment to allocate */
     bool vmm;
+    bool whole;              /* non-VMM: a block is its whole segment (see arena.c) */
     const char *name;        /* "small" / "large" */
 } spw_arena_params;
 

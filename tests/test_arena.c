@@ -230,6 +230,36 @@ static void segment_mode(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* Segment mode, large blocks: a block is its whole segment. A smaller request does not split a
+ * cached segment, a request of the same size reuses it, and since nothing shares a segment every
+ * cached byte can be given back: the last request fits, where carving the small block out of the
+ * cached 32 MiB would have pinned 24 MiB of it and refused the request. */
+static void whole_segments(void **state) {
+    (void)state;
+    spw_ctx *ctx = emu_ctx("vmm=off,budget=64MiB");
+    char *a, *b, *c, *d;
+    assert_ok(spw_malloc(ctx, 32 * MiB, NULL, (void **)&a));
+    assert_ok(spw_free(ctx, a, NULL));
+    assert_ok(spw_malloc(ctx, 8 * MiB, NULL, (void **)&b));
+    assert_true(b < a || b >= a + 32 * MiB); /* not carved out of the cached segment */
+    assert_ok(spw_malloc(ctx, 32 * MiB - 4096, NULL, (void **)&c));
+    assert_ptr_equal(c, a); /* the same pages: the cached segment */
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 40 * MiB);
+    assert_int_equal(st.segments.current, 2);
+    check(ctx);
+    assert_ok(spw_free(ctx, c, NULL));
+    assert_ok(spw_malloc(ctx, 40 * MiB, NULL, (void **)&d)); /* 40 + 40 > 64: the cached 32 goes */
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.held.current, 48 * MiB);
+    assert_int_equal(st.cached.current, 0);
+    check(ctx);
+    assert_ok(spw_free(ctx, b, NULL));
+    assert_ok(spw_free(ctx, d, NULL));
+    spw_ctx_destroy(ctx);
+}
+
 /* The budget is hard: a request past it fails with the numbers, changes nothing, and succeeds
  * once cached memory is given back to it. */
 static void budget_is_hard(void **state) {
@@ -336,7 +366,7 @@ int main(void) {
         cmocka_unit_test(split_and_coalesce), cmocka_unit_test(best_fit),
         cmocka_unit_test(rounding),           cmocka_unit_test(trim_all),
         cmocka_unit_test(held_tracks_live),   cmocka_unit_test(segment_mode),
-        cmocka_unit_test(large_pages),
+        cmocka_unit_test(large_pages),        cmocka_unit_test(whole_segments),
         cmocka_unit_test(budget_is_hard),     cmocka_unit_test(cross_stream_reuse_waits),
         cmocka_unit_test(hot_path_no_backend_calls),
     };

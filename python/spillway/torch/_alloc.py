@@ -626,7 +626,8 @@ def memory_stats(device: Any = None) -> Dict[str, int]:
     flat = ctx.memory_stats()
     flat["weights.current"] = flat["resident_bytes.current"]
     flat["weights.peak"] = flat["resident_bytes.peak"]
-    flat["tensors.current"] = max(0, flat["live.current"] - flat["resident_bytes.current"])
+    # requested, not live: live counts whole blocks (a plain segment's rounding to pages included)
+    flat["tensors.current"] = max(0, flat["requested.current"] - flat["resident_bytes.current"])
     flat.update(_call_stats(_device_index(device)))
     return flat
 
@@ -747,7 +748,7 @@ def memory_summary(device: Any = None) -> str:
     ctx = context(idx)
     s = ctx.stats()
     weights = s["resident_bytes"]["current"]
-    tensors = max(0, s["live"]["current"] - weights)
+    tensors = max(0, s["requested"]["current"] - weights)  # requested: live counts whole blocks
     a = current()
     lines = [
         f"spillway.torch allocator, device {idx} ({ctx.backend}, mode {a.mode if a else 'closed'})",
