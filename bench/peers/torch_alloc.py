@@ -497,10 +497,12 @@ def main() -> None:
                    "step_s": g.get("step_s"), "default_step_s": ref.get("step_s"),
                    "step_ms": g.get("step_ms"), "warmup_steps": g.get("warmup_steps"),
                    "diag_step": g.get("diag_step"), "diag_warmup": g.get("diag_warmup"), "reclaims": g.get("reclaims")}
+            row.update(paired(g, ref))
             results["rows"].append(row)
             print(f"{w:6s} {alloc:7s} ok {row['ok']} equal {row['equal']} (default repeats: {row['repeat_equal']}) "
                   f"held {gb(row['spw_held_peak'])} vs default reserved {gb(row['default_max_reserved'])} "
                   f"step {1e3 * (row['step_s'] or 0):.2f} ms vs {1e3 * (row['default_step_s'] or 0):.2f} ms"
+                  + (f" (paired {row['paired_ratio']:.3f}, total {row['total_ratio']:.3f})" if "paired_ratio" in row else "")
                   + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
         for alloc in allocs:
             if got[alloc].get("step_ms"):
@@ -542,13 +544,26 @@ def main() -> None:
             json.dump(results, f, indent=1)
 
 
+def paired(g: dict, ref: dict) -> dict:
+    """Step i of every run is the same work (same seed: same batch, same lengths), so runs compare
+    step by step: the median of the per-step ratios to the default's, and the ratio of the timed
+    steps' totals. With varying lengths the median step alone depends on which step lands in the
+    middle; the paired figures do not."""
+    a, b = g.get("step_ms") or [], ref.get("step_ms") or []
+    k = g.get("warmup_steps") or 0
+    a, b = a[k:], b[k:]
+    if not a or len(a) != len(b) or g is ref:
+        return {}
+    return {"paired_ratio": statistics.median(x / y for x, y in zip(a, b)), "total_ratio": sum(a) / sum(b)}
+
+
 def table(r: dict) -> str:
     """The markdown tables for bench/RESULTS.md."""
     what = {"gpt2": "GPT-2 medium training, batch 8 x 1024", "bert": "BERT-base training, batch 32, varlen 32-512",
             "resnet": "ResNet-50 training, batch 128", "llama": "Llama-shaped greedy generation, batch 8"}
     lines = [f"\n{r['device']}, torch {r['torch']}, {r['seconds']:.0f} s in all\n",
              "| workload | allocator | equal to default (default repeats) | spillway held peak / default max_reserved "
-             "| step time vs default |", "| --- | --- | --- | --- | --- |"]
+             "| step time vs default: median step (paired per step; total) |", "| --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
         if x["allocator"] == "default":
             lines.append(f"| {what[x['workload']]} | default | repeats {x['repeat_equal']} over {x['repeat_steps']} "
@@ -561,6 +576,7 @@ def table(r: dict) -> str:
         lines.append(f"| {what[x['workload']]} | {x['allocator']} | {eq} ({x['repeat_equal']}) | "
                      f"{gb(x['spw_held_peak'])} / {gb(x['default_max_reserved'])} ({ratio:.3f}) | "
                      f"{step:.3f} ({1e3 * (x['step_s'] or 0):.2f} / {1e3 * (x['default_step_s'] or 0):.2f} ms)"
+                     + (f" (paired {x['paired_ratio']:.3f}; total {x['total_ratio']:.3f})" if "paired_ratio" in x else "")
                      + (f" ERROR {x['error'][:120]}" if x["error"] else "") + " |")
     for w, why in r["skipped"].items():
         lines.append(f"| {what[w]} | - | not run: {why} | | |")

@@ -1041,6 +1041,9 @@ def main():
                 got = [dict(workload=wl, phase="*", variant=name, error=f"{type(e).__name__}: {e}")]
             rows.extend(got)
             log(f"({wl}) {name}: done in {time.perf_counter() - t:.1f} s")
+            if args.json:  # what has run so far survives a timeout of the whole benchmark
+                with open(args.json + ".partial", "w") as f:
+                    json.dump(dict(torch=torch.__version__, link_gbps=link, budgets=budgets, rows=rows), f)
     # A variant that failed as a whole gets an error row in every phase of its workload.
     phases = {}
     for r in rows:
