@@ -161,7 +161,8 @@ def test_large_units_are_mapped_in_large_pages():
     off.remove()
     assert spt._offload._large_page([8 * MiB, 24 * MiB, 4096]) == 8 * MiB
     assert spt._offload._large_page([416 * MiB + 16384, 250 * MiB]) == 2 * MiB  # a Llama layer, its embedding
-    assert spt._offload._large_page([128 * MiB] * 32) == 32 * MiB
+    assert spt._offload._large_page([128 * MiB] * 32) == 128 * MiB  # one physical allocation a unit
+    assert spt._offload._large_page([4 * 1024 * MiB]) == 1024 * MiB  # the library's largest page
     off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
     for _ in range(3):
         assert torch.equal(m(x), ref(x))

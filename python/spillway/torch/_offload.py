@@ -55,17 +55,19 @@ from ._units import _CudaMemory, _Entry, _Saved, _Unit, _align, _default_blocks,
 _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-_LARGE_PAGE_MAX = 32 << 20  # the default large page of an offload's own context, at most
+_LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 _VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
 
 
 def _large_page(sizes: Iterable[int]) -> int:
-    """The default vmm_large_page for units of these sizes: the largest power of two up to 32 MiB
+    """The default vmm_large_page for units of these sizes: the largest power of two up to 1 GiB
     that divides every unit above 1 MiB (those the large-block arena holds), else the 2 MiB
-    granularity. Units then tile whole pages: with a page that a unit only partly fills, the
-    arena could not give the rest back when another size needs the room, and waited for the GPU
-    to trim instead (measured: prefill of 416 MiB layers and 250 MiB embeddings under 32 MiB
-    pages spent 100 ms in single acquires)."""
+    granularity. Units of one size then take one physical allocation each, the cheapest copy to
+    enqueue (H200, 128 MiB units: spw_acquire p50 10 us in 128 MiB pages against 15-17 us in
+    32 MiB ones), and tile whole pages: with a page that a unit only partly fills, the arena
+    could not give the rest back when another size needs the room, and waited for the GPU to
+    trim instead (measured: prefill of 416 MiB layers and 250 MiB embeddings under 32 MiB pages
+    spent 100 ms in single acquires)."""
     large = [n for n in sizes if n > (1 << 20)]
     page = _ARENA_PAGE
     while large and page < _LARGE_PAGE_MAX and all(n % (page * 2) == 0 for n in large):
@@ -247,7 +249,8 @@ class Offload:
             budget_v = free = shared.budget
         # Large units are mapped in large pages: a copy is split at every physical allocation under
         # it, and enqueuing a 416 MiB upload into 2 MiB pages costs 84 us of host time against 16 us
-        # into 32 MiB pages (H200). A page is never larger than the largest unit.
+        # into 32 MiB pages and 9 us into one allocation (H200). A page is never larger than the
+        # largest unit.
         page = _ARENA_PAGE
         if shared is None:
             ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
