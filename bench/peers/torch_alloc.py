@@ -446,6 +446,10 @@ def main() -> None:
     ap.add_argument("--allocators", default="default,global,pool",
                     help="compared with default, each in its own process; mode+option=value,... passes spillway "
                          "options (e.g. global+vmm=off)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every allocator this many times, in turn, the order reversed every other round "
+                         "(default first, then last): step-time ratios are then medians over the rounds, so that a "
+                         "slow process or a drift of the machine does not decide them")
     ap.add_argument("--repeat-steps", type=int, default=10, help="steps the default allocator repeats")
     ap.add_argument("--budget", default="90%", help="use_allocator budget of the comparison runs")
     ap.add_argument("--cap-steps", type=int, default=2, help="steps per batch in the cap search")
@@ -482,9 +486,13 @@ def main() -> None:
         if w == "llama":
             gen = 1 if args.smoke else max(1, args.gen_steps)
             base.update(steps=gen, warmup=min(args.gen_warmup, gen - 1) if not args.smoke else 0, repeat_steps=1)
-        got = {}
-        for alloc in allocs:  # one at a time: the step times are compared
-            got[alloc] = collect(spawn(dict(base, alloc=alloc)), 150)
+        rounds = []
+        for r in range(max(1, args.rounds)):  # one process at a time: the step times are compared
+            got = {}
+            for alloc in (allocs if r % 2 == 0 else allocs[::-1]):
+                got[alloc] = collect(spawn(dict(base, alloc=alloc)), 150)
+            rounds.append(got)
+        got = rounds[0]
         ref = got["default"]
         ran[w] = ref
         for alloc in allocs:
@@ -498,6 +506,8 @@ def main() -> None:
                    "step_ms": g.get("step_ms"), "warmup_steps": g.get("warmup_steps"),
                    "diag_step": g.get("diag_step"), "diag_warmup": g.get("diag_warmup"), "reclaims": g.get("reclaims")}
             row.update(paired(g, ref))
+            if len(rounds) > 1 and alloc != "default":
+                row.update(over_rounds(rounds, alloc))
             results["rows"].append(row)
             print(f"{w:6s} {alloc:7s} ok {row['ok']} equal {row['equal']} (default repeats: {row['repeat_equal']}) "
                   f"held {gb(row['spw_held_peak'])} vs default reserved {gb(row['default_max_reserved'])} "
@@ -557,6 +567,24 @@ def paired(g: dict, ref: dict) -> dict:
     return {"paired_ratio": statistics.median(x / y for x, y in zip(a, b)), "total_ratio": sum(a) / sum(b)}
 
 
+def over_rounds(rounds: list, alloc: str) -> dict:
+    """alloc against the default round by round: each round's median, paired and total ratios,
+    and their medians over the rounds; equal only if every round was."""
+    per = []
+    for rg in rounds:
+        g, ref = rg[alloc], rg["default"]
+        one = {"median": (g.get("step_s") or 0) / max(1e-12, ref.get("step_s") or 1e-12),
+               "equal": bool(g.get("ok") and ref.get("ok") and g.get("losses") == ref.get("losses"))}
+        one.update(paired(g, ref))
+        per.append(one)
+    out = {"rounds": per, "equal": all(p["equal"] for p in per),
+           "rounds_median": statistics.median(p["median"] for p in per)}
+    if all("paired_ratio" in p for p in per):
+        out["paired_ratio"] = statistics.median(p["paired_ratio"] for p in per)
+        out["total_ratio"] = statistics.median(p["total_ratio"] for p in per)
+    return out
+
+
 def table(r: dict) -> str:
     """The markdown tables for bench/RESULTS.md."""
     what = {"gpt2": "GPT-2 medium training, batch 8 x 1024", "bert": "BERT-base training, batch 32, varlen 32-512",
@@ -577,6 +605,7 @@ def table(r: dict) -> str:
                      f"{gb(x['spw_held_peak'])} / {gb(x['default_max_reserved'])} ({ratio:.3f}) | "
                      f"{step:.3f} ({1e3 * (x['step_s'] or 0):.2f} / {1e3 * (x['default_step_s'] or 0):.2f} ms)"
                      + (f" (paired {x['paired_ratio']:.3f}; total {x['total_ratio']:.3f})" if "paired_ratio" in x else "")
+                     + (f"; over {len(x['rounds'])} rounds: median {x['rounds_median']:.3f}" if "rounds" in x else "")
                      + (f" ERROR {x['error'][:120]}" if x["error"] else "") + " |")
     for w, why in r["skipped"].items():
         lines.append(f"| {what[w]} | - | not run: {why} | | |")
