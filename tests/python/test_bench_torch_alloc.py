@@ -20,3 +20,30 @@ def test_smoke_runs_resnet_twice_from_one_seed_and_prints_the_table(tmp_path):
     assert row["ok"] and row["equal"] and row["repeat_equal"] is True and row["repeat_steps"] == 3, row
     assert row["step_s"] > 0
     assert "| ResNet-50 training, batch 128 | default | repeats True over 3 steps |" in p.stdout, p.stdout
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+    try:
+        import torch_alloc
+    finally:
+        sys.path.pop(0)
+    return torch_alloc
+
+
+def test_step_times_compare_step_by_step_and_over_rounds():
+    t = _bench_module()
+    ref = {"ok": True, "losses": [1.0], "step_s": 2.0, "step_ms": [9.0, 1.0, 2.0, 3.0], "warmup_steps": 1}
+    # slower on the short steps, faster on the long one: median step ratio 1.0, paired 1.5, total 1.0
+    got = {"ok": True, "losses": [1.0], "step_s": 2.0, "step_ms": [50.0, 1.5, 3.0, 1.5], "warmup_steps": 1}
+    p = t.paired(got, ref)
+    assert p["paired_ratio"] == 1.5 and p["total_ratio"] == 1.0
+    assert t.paired(ref, ref) == {}  # the default against itself: nothing to compare
+    assert t.paired(dict(got, step_ms=[1.0, 2.0]), ref) == {}  # runs of other lengths do not pair
+    slow = dict(got, step_s=3.0, step_ms=[50.0, 3.0, 6.0, 9.0])
+    rounds = [{"default": ref, "global": got}, {"default": ref, "global": slow}, {"default": ref, "global": got}]
+    r = t.over_rounds(rounds, "global")
+    assert [x["median"] for x in r["rounds"]] == [1.0, 1.5, 1.0]
+    assert r["rounds_median"] == 1.0 and r["paired_ratio"] == 1.5 and r["equal"] is True
+    rounds[1]["global"] = dict(slow, losses=[2.0])  # one round that differs makes the row unequal
+    assert t.over_rounds(rounds, "global")["equal"] is False
