@@ -3,7 +3,7 @@
  *
  * Model (beyond the contracts in backend.h):
  * - Device memory is anonymous host memory mapped MAP_NORESERVE, so untouched device bytes cost
- *   no RAM. "used" (dev_alloc + mapped granules + managed) never exceeds the capacity; managed
+ *   no RAM. "used" (dev_alloc + mapped pages + managed) never exceeds the capacity; managed
  *   memory is charged in full at allocation, as if always resident on the device. Charges are
  *   the requested bytes, unrounded.
  * - VMM: va_reserve maps PROT_NONE address space aligned to its page (the granularity or a
@@ -283,9 +283,9 @@ static spw_status emu_va_reserve(spw_backend *b, size_t bytes, size_t page, void
                           "page that is a power-of-two multiple of the granularity %zu and a "
                           "positive multiple of the page",
                           bytes, page, (void *)va, e->gran);
-    size_t granules = bytes / pg;
+    size_t pages = bytes / pg;
     emu_resv *r = calloc(1, sizeof *r);
-    uint64_t *bits = calloc((granules + 63) / 64, sizeof *bits);
+    uint64_t *bits = calloc((pages + 63) / 64, sizeof *bits);
     char *p = r && bits ? map_aligned(e, bytes, pg, PROT_NONE, MAP_NORESERVE) : NULL;
     if (!p) {
         int err = errno;

@@ -176,12 +176,12 @@ double bs_median_from(const double *v, size_t n, size_t from) {
     return r;
 }
 
-/* The emu reference: the host function, layer after layer. */
 void bs_pass_medians(bs_run *r, long P) {
     r->pass_ms_median = bs_median_from(r->pass_ms, (size_t)P, (size_t)BS_STEADY_FROM(P));
     r->pass_ms_all = bs_median_from(r->pass_ms, (size_t)P, 1);
 }
 
+/* The emu reference: the host function, layer after layer. */
 int bs_host_reference(bench *B) {
     size_t n = (size_t)B->o.batch * B->K;
     uint16_t *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b);
