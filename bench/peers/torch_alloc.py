@@ -554,6 +554,11 @@ def main() -> None:
             json.dump(results, f, indent=1)
 
 
+def step_ratio(step_s, default_step_s) -> float:
+    """Median step time over the default's (0 where a run has none)."""
+    return (step_s or 0) / max(1e-12, default_step_s or 1e-12)
+
+
 def paired(g: dict, ref: dict) -> dict:
     """Step i of every run is the same work (same seed: same batch, same lengths), so runs compare
     step by step: the median of the per-step ratios to the default's, and the ratio of the timed
@@ -573,7 +578,7 @@ def over_rounds(rounds: list, alloc: str) -> dict:
     per = []
     for rg in rounds:
         g, ref = rg[alloc], rg["default"]
-        one = {"median": (g.get("step_s") or 0) / max(1e-12, ref.get("step_s") or 1e-12),
+        one = {"median": step_ratio(g.get("step_s"), ref.get("step_s")),
                "equal": bool(g.get("ok") and ref.get("ok") and g.get("losses") == ref.get("losses"))}
         one.update(paired(g, ref))
         per.append(one)
@@ -599,7 +604,7 @@ def table(r: dict) -> str:
                          f"{1e3 * (x['step_s'] or 0):.2f} ms |")
             continue
         ratio = (x["spw_held_peak"] or 0) / max(1, x["default_max_reserved"] or 1)
-        step = (x["step_s"] or 0) / max(1e-12, x["default_step_s"] or 1e-12)
+        step = step_ratio(x["step_s"], x["default_step_s"])
         eq = {True: "yes", False: "no", None: "-"}[x["equal"]]
         lines.append(f"| {what[x['workload']]} | {x['allocator']} | {eq} ({x['repeat_equal']}) | "
                      f"{gb(x['spw_held_peak'])} / {gb(x['default_max_reserved'])} ({ratio:.3f}) | "

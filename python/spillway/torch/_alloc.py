@@ -626,8 +626,7 @@ def memory_stats(device: Any = None) -> Dict[str, int]:
     flat = ctx.memory_stats()
     flat["weights.current"] = flat["resident_bytes.current"]
     flat["weights.peak"] = flat["resident_bytes.peak"]
-    # requested, not live: live counts whole blocks (a plain segment's rounding to pages included)
-    flat["tensors.current"] = max(0, flat["requested.current"] - flat["resident_bytes.current"])
+    flat["tensors.current"] = _tensor_bytes(flat["requested.current"], flat["resident_bytes.current"])
     flat.update(_call_stats(_device_index(device)))
     return flat
 
@@ -701,7 +700,7 @@ def _torch_empty_cache(a: Optional[Allocator]) -> None:
     if a is not None and a.routed and not getattr(_tls, "cycling", False):
         with _lock:
             if a.mode == "global":
-                used = [d for d in list(a._pools) if _has_context(d)]
+                used = _context_devices(a)
                 awaiting = _awaiting(used)
                 if awaiting:
                     a._cycle(awaiting)  # empties PyTorch's cache itself
@@ -732,13 +731,24 @@ def collect() -> int:
     if a is None or not a.routed or a.mode != "global":
         return 0
     with _lock:
-        awaiting = _awaiting(d for d in list(a._pools) if _has_context(d))
+        awaiting = _awaiting(_context_devices(a))
         return a._cycle(awaiting) if awaiting else 0
 
 
 def _has_context(device: int) -> bool:
     out = ctypes.c_void_p()
     return _lib_c.spw_torch_context(device, 0, ctypes.byref(out)) == 0
+
+
+def _context_devices(a: Allocator) -> List[int]:
+    """The devices a routes to that spillway has a context for (where anything was allocated)."""
+    return [d for d in list(a._pools) if _has_context(d)]
+
+
+def _tensor_bytes(requested: int, weights: int) -> int:
+    """Device bytes spillway hands to PyTorch: requested, not live, less the offloaded weights
+    (live counts whole blocks, a plain segment's rounding to pages included)."""
+    return max(0, requested - weights)
 
 
 def memory_summary(device: Any = None) -> str:
@@ -748,7 +758,7 @@ def memory_summary(device: Any = None) -> str:
     ctx = context(idx)
     s = ctx.stats()
     weights = s["resident_bytes"]["current"]
-    tensors = max(0, s["requested"]["current"] - weights)  # requested: live counts whole blocks
+    tensors = _tensor_bytes(s["requested"]["current"], weights)
     a = current()
     lines = [
         f"spillway.torch allocator, device {idx} ({ctx.backend}, mode {a.mode if a else 'closed'})",
