@@ -21,6 +21,11 @@
  * earlier use). FREE blocks coalesce only within one pool. The hot path (a fit in the caller's
  * pool) makes no backend call.
  *
+ * Owed waits (internal.h): bytes freed into a pool while another stream's work still reads them
+ * carry the event that marks that work's end until the pool's stream waits on it. Everything
+ * that could hand those bytes to anyone else enqueues the wait first; only
+ * spw__arena_alloc_ordered passes it on, to a caller that orders its own use of the block.
+ *
  * All functions here run under the owning context's lock.
  */
 #include <stdlib.h>
@@ -58,6 +63,13 @@ struct spool {
     spw_block *bins[NBINS];
 };
 
+/* A wait pool `pool` owes on ev before touching [lo, hi). */
+typedef struct owed {
+    uintptr_t lo, hi;
+    spw_event ev;
+    spool *pool;
+} owed;
+
 typedef struct seg {
     uintptr_t base;
     size_t size;
@@ -76,6 +88,8 @@ struct spw_arena {
     spool *last_pool;
     spw_block *spare;   /* recycled block structs */
     size_t held;        /* bytes mapped or allocated from the backend by this arena */
+    owed owed[SPW_ARENA_OWED_MAX];
+    int nowed;
 };
 
 /* ---- small helpers ---- */
@@ -346,6 +360,56 @@ void spw__arena_destroy(spw_arena *a) {
     free(a);
 }
 
+/* ---- owed waits ---- */
+
+/* Bytes of [lo, hi) that pool p owes a wait on. */
+static size_t owed_in(const spw_arena *a, const spool *p, uintptr_t lo, uintptr_t hi) {
+    size_t n = 0;
+    for (int i = 0; i < a->nowed; i++) {
+        const owed *o = &a->owed[i];
+        uintptr_t l = SPW_MAX(lo, o->lo), h = SPW_MIN(hi, o->hi);
+        if (o->pool == p && h > l) n += h - l;
+    }
+    return n;
+}
+
+/* Enqueue owed wait i (on the host where the stream wait fails, or where the stream is gone)
+ * and drop it. On failure it stays owed. */
+static spw_status settle_one(spw_arena *a, int i) {
+    owed *o = &a->owed[i];
+    spw_status st = o->pool->retired ? SPW_ERR_STATE : a->be->ops->stream_wait(a->be, o->pool->stream, o->ev);
+    if (st && (st = a->be->ops->event_sync(a->be, o->ev))) return st;
+    a->owed[i] = a->owed[--a->nowed];
+    return SPW_OK;
+}
+
+spw_status spw__arena_settle(spw_arena *a) {
+    for (int i = a->nowed; i-- > 0;) {
+        spw_status st = settle_one(a, i);
+        if (st) return st;
+    }
+    return SPW_OK;
+}
+
+void spw__arena_forget_event(spw_arena *a, spw_event ev) {
+    for (int i = a->nowed; i-- > 0;)
+        if (a->owed[i].ev == ev) a->owed[i] = a->owed[--a->nowed];
+}
+
+spw_status spw__arena_free_after(spw_arena *a, spw_block *b, spw_stream s, spw_event ev) {
+    spool *p = a->nowed < SPW_ARENA_OWED_MAX ? pool_get(a, s, true) : NULL;
+    if (!p) return SPW_ERR_UNSUPPORTED;
+    a->owed[a->nowed++] = (owed){b->addr, b->addr + b->size, ev, p};
+    free_coalesce(a, b, p);
+    return SPW_OK;
+}
+
+void spw__arena_owe(spw_arena *a, const spw_arena_wait *w, spw_stream s) {
+    spool *p = a->nowed < SPW_ARENA_OWED_MAX ? pool_get(a, s, true) : NULL;
+    if (p) a->owed[a->nowed++] = (owed){w->lo, w->hi, w->ev, p};
+    else a->be->ops->event_sync(a->be, w->ev); /* no room to remember it: wait now */
+}
+
 /* ---- cache reuse ---- */
 
 /* Take a FREE block of another stream's pool for stream p: order p's stream after the owner's
@@ -491,6 +555,7 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
     size_t got = 0;
     spw_status st = SPW_OK;
     if (released) *released = 0;
+    if (a->nowed && (st = spw__arena_settle(a))) return st; /* before the syncs that make blocks idle */
     bool any = false;
     for (seg *s = a->segs; s && !any; s = s->next)
         for (spw_block *b = s->first; b && !any; b = b->next) any = b->state == B_FREE;
@@ -677,6 +742,10 @@ spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block 
     size_t n = SPW_ALIGN_UP(bytes, ROUND);
     spool *p = pool_get(a, s, true);
     if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
+    if (SPW_UNLIKELY(a->nowed)) {
+        spw_status st = spw__arena_settle(a);
+        if (st) return st;
+    }
     spw_block *b = take_cached(a, p, n);
     if (SPW_LIKELY(b)) {
         *out = b;
@@ -702,6 +771,74 @@ spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block 
     return grow(a, p, n, out);
 }
 
+/* VMM, b FREE and out of its bins, owing waits on all its bytes: map pages of the hole after it
+ * (up to n bytes, within the budget) into it, so that a block of n can start beyond what is owed.
+ * Best effort: nothing changes when no page can be had. */
+static void extend_right(spw_arena *a, spw_block *b, size_t n) {
+    spw_block *h = b->next;
+    if (!h || h->state != B_HOLE || !spw__ctx_can_hold(a->ctx, a->p.page)) return;
+    size_t ext = SPW_ALIGN_DOWN(SPW_MIN(h->size, n), a->p.page);
+    while (ext && !spw__ctx_can_hold(a->ctx, ext)) ext -= a->p.page;
+    if (!ext) return;
+    if (a->be->ops->map(a->be, (void *)h->addr, ext)) {
+        spw__error_clear();
+        return;
+    }
+    account_held(a, (int64_t)ext);
+    b->size += ext;
+    if (ext < h->size) {
+        h->addr += ext;
+        h->size -= ext;
+        return;
+    }
+    hole_remove(a, h);
+    b->next = h->next;
+    if (h->next) h->next->prev = b;
+    block_put(a, h);
+}
+
+/* carve, from whichever end of b owes pool p fewer waits. */
+static spw_block *carve_least_owed(spw_arena *a, spw_block *b, size_t n, spool *p) {
+    uintptr_t end = b->addr + b->size;
+    spw_block *t = NULL;
+    if (!a->p.whole && b->size - n >= ROUND && owed_in(a, p, end - n, end) < owed_in(a, p, b->addr, b->addr + n))
+        t = split_tail(a, b, b->size - n, B_LIVE, NULL);
+    if (!t) {
+        carve(a, b, n, p);
+        return b;
+    }
+    /* b (the head) stays FREE; its left neighbour is not FREE in p, or they would be one */
+    b->state = B_FREE;
+    bin_insert(p, b);
+    return t;
+}
+
+spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
+                                    spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw) {
+    *nw = 0;
+    size_t n = SPW_ALIGN_UP(bytes, ROUND);
+    spool *p = pool_get(a, s, true);
+    if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
+    for (int i = a->nowed; i-- > 0;) { /* only p's own waits can be passed on */
+        spw_status st = a->owed[i].pool != p ? settle_one(a, i) : SPW_OK;
+        if (st) return st;
+    }
+    spw_block *b = a->nowed ? pool_fit(a, p, n) : NULL;
+    if (!b) return spw__arena_alloc(a, bytes, s, out);
+    bin_remove(p, b);
+    if (a->p.vmm && owed_in(a, p, b->addr, b->addr + b->size) >= b->size) extend_right(a, b, n);
+    b = carve_least_owed(a, b, n, p);
+    uintptr_t lo = b->addr, hi = b->addr + b->size;
+    for (int i = a->nowed; i-- > 0;) {
+        owed *o = &a->owed[i];
+        if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
+        w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
+        if (o->lo >= lo && o->hi <= hi) a->owed[i] = a->owed[--a->nowed]; /* wholly passed on */
+    }
+    *out = b;
+    return SPW_OK;
+}
+
 void spw__arena_free(spw_arena *a, spw_block *b, spw_stream s) {
     spool *p = b->pool;
     if (SPW_UNLIKELY(p->stream != s)) {
@@ -716,7 +853,14 @@ spw_status spw__arena_retire_stream(spw_arena *a, spw_stream s) {
     if (!p || !s) return SPW_OK;
     spool *dflt = pool_get(a, NULL, true);
     if (!dflt) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
-    /* The caller synchronized s: its free blocks are idle and may serve any stream. */
+    /* The caller synchronized s; bytes it still owes a wait wait for it on the host. Then its
+     * free blocks are idle and may serve any stream. */
+    for (int i = a->nowed; i-- > 0;) {
+        if (a->owed[i].pool != p) continue;
+        spw_status st = a->be->ops->event_sync(a->be, a->owed[i].ev);
+        if (st) return st;
+        a->owed[i] = a->owed[--a->nowed];
+    }
     for (int i = 0; i < NBINS; i++) {
         while (p->bins[i]) {
             spw_block *b = p->bins[i];

@@ -153,6 +153,14 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     if (b->hblock) spw__hostpool_free(e->hp, b->hblock);
     if (b->registered) OPS(ctx)->host_unregister(BE(ctx), b->host); /* failure: nothing to undo */
     if (b->managed && b->host) OPS(ctx)->managed_free(BE(ctx), b->host);
+    /* waits still owed on these events (a settle that failed) are enqueued now, or forgotten:
+     * the destroy waited for the buffer's work */
+    spw_arena *arenas[2] = {ctx->small, ctx->large};
+    for (int i = 0; i < 2; i++) {
+        if (spw__arena_settle(arenas[i])) spw__error_clear();
+        spw__arena_forget_event(arenas[i], b->ev_dev);
+        spw__arena_forget_event(arenas[i], b->ev_host);
+    }
     if (b->ev_dev && !OPS(ctx)->event_destroy(BE(ctx), b->ev_dev)) e->events_live--;
     if (b->ev_host && !OPS(ctx)->event_destroy(BE(ctx), b->ev_host)) e->events_live--;
     atomic_store(&b->magic, SPW_BUF_FREED);

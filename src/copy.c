@@ -104,15 +104,79 @@ spw_status spw__copy_upload(spw_ctx *ctx, spw_buf *b) {
     return spw__copy_upload_range(ctx, b, 0, b->bytes);
 }
 
+/* Enqueue the H2D copy of [off, off+n) of b. */
+static spw_status copy_piece(spw_ctx *ctx, spw_buf *b, size_t off, size_t n) {
+    struct spw_engine *e = ctx->engine;
+    void *sp = spw__tsink_span_begin(ctx, e->h2d, "upload", "copy H2D", n, b->id, 0);
+    spw_status st = OPS(ctx)->memcpy_async(BE(ctx), (char *)b->dev + off, (char *)b->host + off, n, SPW_COPY_H2D, e->h2d);
+    spw__tsink_span_end(ctx, e->h2d, sp);
+    return st;
+}
+
+static spw_status upload_done(spw_ctx *ctx, spw_buf *b, size_t n);
+
 spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n) {
     struct spw_engine *e = ctx->engine;
     spw_status st;
     if ((st = spw__copy_order_dev(ctx, b, e->h2d))) return st;
     if ((st = order_host(ctx, b, e->h2d))) return st;
-    void *sp = spw__tsink_span_begin(ctx, e->h2d, "upload", "copy H2D", n, b->id, 0);
-    st = OPS(ctx)->memcpy_async(BE(ctx), (char *)b->dev + off, (char *)b->host + off, n, SPW_COPY_H2D, e->h2d);
-    spw__tsink_span_end(ctx, e->h2d, sp);
-    if (st) return st;
+    if ((st = copy_piece(ctx, b, off, n))) return st;
+    return upload_done(ctx, b, n);
+}
+
+typedef struct span {
+    size_t lo, hi;
+} span;
+
+spw_status spw__copy_upload_ordered(spw_ctx *ctx, spw_buf *b, const spw_arena_wait *w, int nw) {
+    if (!nw || b->managed) return spw__copy_upload(ctx, b);
+    struct spw_engine *e = ctx->engine;
+    spw_status st;
+    if ((st = spw__copy_order_dev(ctx, b, e->h2d))) return st;
+    if ((st = order_host(ctx, b, e->h2d))) return st;
+    /* the bytes of b that owe a wait, as sorted disjoint spans relative to b->dev */
+    span owe[SPW_ARENA_OWED_MAX];
+    int no = 0;
+    uintptr_t d = (uintptr_t)b->dev;
+    for (int i = 0; i < nw; i++) {
+        size_t lo = w[i].lo > d ? w[i].lo - d : 0, hi = w[i].hi > d ? SPW_MIN(w[i].hi - d, b->bytes) : 0;
+        if (hi <= lo) continue;
+        int j = no++;
+        for (; j > 0 && owe[j - 1].lo > lo; j--) owe[j] = owe[j - 1];
+        owe[j] = (span){lo, hi};
+    }
+    int m = 0;
+    for (int i = 0; i < no; i++) {
+        if (m && owe[i].lo <= owe[m - 1].hi) owe[m - 1].hi = SPW_MAX(owe[m - 1].hi, owe[i].hi);
+        else owe[m++] = owe[i];
+    }
+    /* what owes nothing first (it may run while the previous occupant's reader still does),
+     * then the waits, then the rest */
+    bool enqueued = false;
+    size_t at = 0;
+    for (int i = 0; i <= m && !st; i++) {
+        size_t end = i < m ? owe[i].lo : b->bytes;
+        if (end > at && !(st = copy_piece(ctx, b, at, end - at))) enqueued = true;
+        if (i < m) at = owe[i].hi;
+    }
+    for (int i = 0; i < nw && !st; i++) {
+        st = OPS(ctx)->stream_wait(BE(ctx), e->h2d, w[i].ev);
+        if (st) st = OPS(ctx)->event_sync(BE(ctx), w[i].ev); /* the host waits instead */
+    }
+    for (int i = 0; i < m && !st; i++)
+        if (!(st = copy_piece(ctx, b, owe[i].lo, owe[i].hi - owe[i].lo))) enqueued = true;
+    if (st) {
+        if (enqueued) b->untracked |= SPW_UNTRACKED_H2D; /* pieces still read the host copy */
+        return st;
+    }
+    return upload_done(ctx, b, b->bytes);
+}
+
+/* After the copies of n bytes of b on the H2D stream: record them as the device copy's latest
+ * touch and the host copy's last transfer. */
+static spw_status upload_done(spw_ctx *ctx, spw_buf *b, size_t n) {
+    struct spw_engine *e = ctx->engine;
+    spw_status st;
     /* h2d now follows every touch of the device copy (order_dev) */
     b->dev_s = e->h2d;
     b->dev_rec = false;

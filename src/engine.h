@@ -117,6 +117,7 @@ struct spw_engine {
     uint64_t step;
     spw_tsink *sink; /* stall timing and the optional trace */
     int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
+    bool owe_waits;      /* an upload is being given room: victims' blocks are freed owing waits */
 };
 
 /* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
@@ -156,6 +157,10 @@ spw_status spw__copy_record_dev(spw_ctx *ctx, spw_buf *b, spw_stream s);
  * managed memory to the device. On failure b's device copy is as before the call (nothing
  * about it is recorded) and no host-copy work is left untracked. */
 spw_status spw__copy_upload(spw_ctx *ctx, spw_buf *b);
+/* spw__copy_upload, for a block that owes the waits w[0..nw) (spw__arena_alloc_ordered): the
+ * bytes that owe nothing are copied first, then the H2D stream waits, then the rest. On failure
+ * the waits may not all be enqueued: the caller owes them again. */
+spw_status spw__copy_upload_ordered(spw_ctx *ctx, spw_buf *b, const spw_arena_wait *w, int nw);
 /* Explicit only: upload [off, off+n) of the host copy into the resident device copy, after
  * every touch. On failure the device copy may be partly overwritten: the caller drops it. */
 spw_status spw__copy_upload_range(spw_ctx *ctx, spw_buf *b, size_t off, size_t n);

@@ -112,6 +112,38 @@ void spw__arena_destroy(spw_arena *a);
 /* The following are called with the context lock held. */
 spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
 void spw__arena_free(spw_arena *a, spw_block *b, spw_stream s);
+/* Owed waits. A block can be freed into stream s's pool while its bytes are still in use by
+ * work that event `ev` (recorded on another stream) marks: s owes a wait on ev before touching
+ * them. spw__arena_alloc, spw__arena_trim and spw__arena_retire_stream enqueue owed waits
+ * before anything can reuse those bytes; spw__arena_alloc_ordered hands the ones covering the
+ * block it returns to the caller instead, so that the caller can first use the bytes that owe
+ * nothing (an upload that starts while the previous occupant's last reader still runs). The
+ * event must stay valid until the wait is enqueued: callers settle before the event's owner can
+ * destroy or re-record it. */
+#define SPW_ARENA_OWED_MAX 8
+typedef struct spw_arena_wait {
+    uintptr_t lo, hi; /* the bytes that owe the wait */
+    spw_event ev;
+} spw_arena_wait;
+/* Free b into s's pool owing a wait on ev. SPW_ERR_UNSUPPORTED, nothing done, when the table of
+ * owed waits is full (the caller frees the plain way). */
+spw_status spw__arena_free_after(spw_arena *a, spw_block *b, spw_stream s, spw_event ev);
+/* spw__arena_alloc for stream s, except that waits owed by s's own pool on the returned block's
+ * bytes are copied into w[0..*nw) (clipped to the block) rather than enqueued: the caller makes s
+ * wait on each before touching its range (or gives them back with spw__arena_owe). Among the
+ * places a cached block allows, it takes the one that owes the least, and it maps free pages
+ * adjacent to a block that owes everything when the budget allows, so that a block freed after
+ * an event and the room beside it become one, used from the end that owes nothing. */
+spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
+                                    spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw);
+/* Owe w again on stream s (a caller that could not enqueue waits it was handed). Cannot fail:
+ * with the table full it waits for ev on the host. */
+void spw__arena_owe(spw_arena *a, const spw_arena_wait *w, spw_stream s);
+/* Enqueue every owed wait (on the host where a stream wait fails). On failure the wait stays
+ * owed and the error is returned. */
+spw_status spw__arena_settle(spw_arena *a);
+/* Forget owed waits on ev, which the caller knows complete (waited on the host). */
+void spw__arena_forget_event(spw_arena *a, spw_event ev);
 /* Release cached memory until at least `want` bytes are released or nothing is left
  * (want == SIZE_MAX: everything). Synchronizes the streams of released blocks. */
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
@@ -157,6 +189,10 @@ void spw__stat_event(spw_counter *c);
  * the same budget) and try once more. SPW_ERR_OUT_OF_MEMORY without a message when it cannot.
  * Context lock held. */
 spw_status spw__ctx_alloc_block(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
+/* The same through spw__arena_alloc_ordered when w is not NULL (waits owed on the block are
+ * passed on in w[0..*nw)). */
+spw_status spw__ctx_alloc_block_ordered(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
+                                        spw_block **out, spw_arena_wait *w, int *nw);
 /* true if ptr is a live allocation of ctx; *requested (may be NULL) gets its requested size. */
 bool spw__ctx_live_requested(struct spw_ctx *ctx, const void *ptr, size_t *requested);
 /* Change the budget to bytes (1 .. budget_max). Lowering it below held bytes releases the cache

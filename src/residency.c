@@ -40,9 +40,14 @@ static void release_block(spw_ctx *ctx, spw_buf *b) {
      * since (the next layer's product): transfers would no longer overlap compute. */
     struct spw_engine *e = ctx->engine;
     spw_stream s = b->dev_s;
-    if (e->streams_ok && b->dev_rec && s != e->h2d && OPS(ctx)->stream_wait(BE(ctx), e->h2d, b->ev_dev) == SPW_OK)
-        s = e->h2d;
-    spw__arena_free(b->darena, b->dblock, s);
+    bool owed = false;
+    if (e->streams_ok && b->dev_rec && s != e->h2d) {
+        /* during an upload's allocation the H2D stream only owes the wait: the upload then
+         * copies first what does not overlap this block (spw__res_make_resident) */
+        owed = e->owe_waits && spw__arena_free_after(b->darena, b->dblock, e->h2d, b->ev_dev) == SPW_OK;
+        if (!owed && OPS(ctx)->stream_wait(BE(ctx), e->h2d, b->ev_dev) == SPW_OK) s = e->h2d;
+    }
+    if (!owed) spw__arena_free(b->darena, b->dblock, s);
     spw__stat_add(&ctx->stats.live, -(int64_t)size);
     spw__stat_add(&ctx->stats.cached, (int64_t)size);
     spw__stat_add(&ctx->stats.requested, -(int64_t)b->bytes);
@@ -195,16 +200,25 @@ static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int f
     return spw__res_evict_buf(ctx, v, false);
 }
 
+/* Enqueue the waits the H2D stream still owes for victims of an upload (their bytes served
+ * another block, or none): before their events can be destroyed or recorded again. A failure
+ * leaves them owed, still safe (the arenas settle before any other reuse), so it is not
+ * reported. */
+static void settle_owed(spw_ctx *ctx) {
+    if (spw__arena_settle(ctx->small) || spw__arena_settle(ctx->large)) spw__error_clear();
+}
+
 /* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
  * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
  * without a message when nothing more can be evicted. */
 static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_buf *incoming,
-                                 int for_prefetch, bool may_evict, bool tried, spw_block **out) {
+                                 int for_prefetch, bool may_evict, bool tried, spw_block **out, spw_arena_wait *w,
+                                 int *nw) {
     if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
     size_t need = SPW_ALIGN_UP(bytes, 512);
     for (;;) {
         if (!tried && (obtainable(ctx) >= need || !may_evict)) {
-            spw_status st = spw__ctx_alloc_block(ctx, a, bytes, s, out);
+            spw_status st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
             if (st != SPW_ERR_OUT_OF_MEMORY) return st;
         }
         tried = false;
@@ -212,7 +226,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
         spw_status st = evict_next(ctx, need, incoming, for_prefetch);
         if (st == SPW_ERR_OUT_OF_MEMORY) {
             /* nothing left to evict: one last attempt if the budget might fit after all */
-            return obtainable(ctx) >= need ? spw__ctx_alloc_block(ctx, a, bytes, s, out)
+            return obtainable(ctx) >= need ? spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw)
                                            : SPW_ERR_OUT_OF_MEMORY;
         }
         if (st) return st;
@@ -222,7 +236,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
 spw_status spw__engine_alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
     if (!ctx->engine) return SPW_ERR_OUT_OF_MEMORY;
     spw__res_collapse_poll(ctx);
-    return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out);
+    return alloc_evicting(ctx, a, bytes, s, NULL, 0, true, true, out, NULL, NULL);
 }
 
 /* Managed: room in the budget for b's bytes, then charge them. */
@@ -268,7 +282,17 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     spw_stream as = upload ? e->h2d : s;
     spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
     spw_block *blk = NULL;
-    if ((st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk))) return st;
+    /* An upload's victims are freed owing their waits (release_block) and the block comes with
+     * the waits it owes, so that the upload can start on bytes no victim is still read from. */
+    spw_arena_wait w[SPW_ARENA_OWED_MAX];
+    int nw = 0;
+    e->owe_waits = upload && e->streams_ok;
+    st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
+    e->owe_waits = false;
+    if (st) {
+        settle_owed(ctx);
+        return st;
+    }
     size_t size = spw__block_size(blk);
     spw__stat_add(&ctx->stats.live, (int64_t)size);
     spw__stat_add(&ctx->stats.cached, -(int64_t)size);
@@ -279,11 +303,14 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     b->dev_s = as;
     b->dev_rec = false;
     b->dev_touched = true;
-    if (upload && (st = spw__copy_upload(ctx, b))) {
+    if (upload && (st = spw__copy_upload_ordered(ctx, b, w, nw))) {
+        for (int i = 0; i < nw; i++) spw__arena_owe(a, &w[i], e->h2d); /* those not enqueued, at least */
         release_block(ctx, b); /* on dev_s: after whatever part of the upload was enqueued */
         b->dev_rec = b->dev_touched = false;
+        settle_owed(ctx);
         return st;
     }
+    settle_owed(ctx);
     b->dv = upload;
     set_resident(ctx, b, true);
     return SPW_OK;

@@ -166,7 +166,9 @@ def test_large_units_are_mapped_in_large_pages():
     off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
     for _ in range(3):
         assert torch.equal(m(x), ref(x))
-    assert off.stats()["held"]["peak"] == 20 * MiB - 4 * MiB
+    # in 2 MiB pages the room beside a unit (used to start the next upload early) is mapped up
+    # to the budget, which 8 MiB pages could not do
+    assert off.stats()["held"]["peak"] == 20 * MiB
     off.remove()
 
 

@@ -1,0 +1,135 @@
+/*
+ * Uploads that start while the previous occupant of their room is still read: a buffer evicted
+ * to make room for an upload frees its block owing a wait on its last use (arena owed waits);
+ * the upload copies the bytes that owe nothing first, then waits, then copies the rest. A
+ * single slot of room plus a little more then overlaps each transfer with the work on the
+ * buffer before it, as two whole slots would.
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "test_util.h"
+
+#define MiB ((size_t)1 << 20)
+
+typedef struct kcheck {
+    const uint8_t *p;
+    size_t n;
+    uint8_t v;
+    atomic_int *gate; /* when set: wait until it is nonzero (a use still running) */
+    atomic_int *bad;  /* set when a byte differs from v */
+} kcheck;
+
+static void check_cb(void *a) {
+    kcheck *k = a;
+    while (k->gate && !atomic_load(k->gate)) usleep(200);
+    for (size_t i = 0; i < k->n; i++)
+        if (k->p[i] != k->v) {
+            atomic_store(k->bad, 1);
+            return;
+        }
+}
+
+static void fill_buf(spw_buf *b, uint8_t v) {
+    size_t n = spw_buf_size(b);
+    uint8_t *tmp = malloc(n);
+    assert_non_null(tmp);
+    memset(tmp, v, n);
+    assert_ok(spw_buf_write(b, 0, tmp, n));
+    free(tmp);
+}
+
+static bool all_equal(const volatile uint8_t *p, size_t n, uint8_t v) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v) return false;
+    return true;
+}
+
+/* Wait up to 5 s for n bytes at p to read v. */
+static bool becomes(const volatile uint8_t *p, size_t n, uint8_t v) {
+    for (int i = 0; i < 5000; i++) {
+        if (all_equal(p, n, v)) return true;
+        usleep(1000);
+    }
+    return false;
+}
+
+/* Room for one 4 MiB buffer and 2 MiB more. B's upload evicts A while A's reader (a gated host
+ * function) still runs: the 2 MiB of B that do not overlap A arrive before the reader ends,
+ * A's bytes stay intact under it, and B's other half arrives once it is done. */
+static void test_upload_overlaps_last_use(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU(); /* device memory readable by the host */
+    spw_ctx *ctx = test_ctx("budget=6MiB,vmm=on,vmm_large_page=2MiB,grow_ahead=0");
+    spw_buf *a, *b;
+    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &a));
+    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b));
+    fill_buf(a, 0x11);
+    fill_buf(b, 0x22);
+    spw_stream s;
+    assert_ok(spw_stream_create(ctx, &s));
+    atomic_int gate, bad;
+    atomic_init(&gate, 0);
+    atomic_init(&bad, 0);
+    void *da, *db;
+    assert_ok(spw_acquire(a, s, SPW_ACCESS_READ, &da));
+    kcheck ka = {da, 4 * MiB, 0x11, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &ka));
+    assert_ok(spw_release(a, s));
+
+    assert_ok(spw_acquire(b, s, SPW_ACCESS_READ, &db)); /* evicts a: 6 MiB hold one and a half */
+    assert_false(a->resident);
+    const volatile uint8_t *pb = db;
+    uintptr_t lo = (uintptr_t)db, hi = lo + 4 * MiB, alo = (uintptr_t)da, ahi = alo + 4 * MiB;
+    assert_true(lo > alo && lo < ahi && hi > ahi); /* placed past a's start, into the room beside it */
+    size_t fresh = (size_t)(hi - ahi);               /* b's bytes beyond a's block */
+    assert_int_equal(fresh, 2 * MiB);
+    assert_true(becomes(pb + (ahi - lo), fresh, 0x22)); /* copied while a's reader waits */
+    assert_true(all_equal((const volatile uint8_t *)da, 4 * MiB, 0x11)); /* a untouched under it */
+    assert_int_equal(atomic_load(&gate), 0);
+    atomic_store(&gate, 1);
+    kcheck kb = {db, 4 * MiB, 0x22, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &kb));
+    assert_ok(spw_release(b, s));
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_ok(spw__arena_check(ctx->large));
+    spw_stats st = test_stats(ctx);
+    assert_true((size_t)st.held.peak <= 6 * MiB);
+
+    /* and back: a's upload evicts b the same way, from the other end of the room */
+    atomic_store(&gate, 0);
+    assert_ok(spw_acquire(b, s, SPW_ACCESS_READ, &db));
+    kb = (kcheck){db, 4 * MiB, 0x22, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &kb));
+    assert_ok(spw_release(b, s));
+    assert_ok(spw_acquire(a, s, SPW_ACCESS_READ, &da));
+    lo = (uintptr_t)da;
+    uintptr_t blo = (uintptr_t)db;
+    assert_true(lo < blo && lo + 4 * MiB > blo); /* before b, overlapping half of it */
+    assert_true(becomes((const volatile uint8_t *)da, (size_t)(blo - lo), 0x11));
+    assert_true(all_equal((const volatile uint8_t *)db, 4 * MiB, 0x22));
+    atomic_store(&gate, 1);
+    ka = (kcheck){da, 4 * MiB, 0x11, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, check_cb, &ka));
+    assert_ok(spw_release(a, s));
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_ok(spw__arena_check(ctx->large));
+
+    assert_ok(spw_buf_destroy(a));
+    assert_ok(spw_buf_destroy(b));
+    assert_ok(spw_stream_destroy(ctx, s));
+    assert_ok(spw_ctx_destroy(ctx));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_upload_overlaps_last_use),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
