@@ -731,6 +731,20 @@ static spw_status grow(spw_arena *a, spool *p, size_t n, spw_block **out) {
     return grow_vmm(a, p, n, &pl, out);
 }
 
+spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s) {
+    size_t n = SPW_ALIGN_DOWN(bytes, a->p.page);
+    if (!a->p.vmm || !n) return SPW_OK;
+    spool *p = pool_get(a, s, true);
+    if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
+    placement pl;
+    if (!place_vmm(a, p, n, &pl) || !spw__ctx_can_hold(a->ctx, pl.map_bytes)) return SPW_OK;
+    spw_block *b;
+    spw_status st = grow_vmm(a, p, n, &pl, &b);
+    if (st) return st;
+    free_coalesce(a, b, p);
+    return SPW_OK;
+}
+
 /* Would mapping `more` bytes leave more cached memory than the fragmentation slack allows? */
 static bool over_slack(spw_arena *a, size_t n, size_t more) {
     const spw_stats *st = &a->ctx->stats;

@@ -512,6 +512,20 @@ spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict) {
     return prefetch_locked(ctx, b, 1, may_evict);
 }
 
+spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b) {
+    if (!spw__pol_evictable(b)) return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is not evictable", (unsigned long long)b->id);
+    return spw__res_evict_buf(ctx, b, false);
+}
+
+spw_status spw__engine_stream_room(spw_ctx *ctx) {
+    struct spw_engine *e = ctx->engine;
+    if (!e->streams_ok) return SPW_OK;
+    spw_status st = spw__arena_trim(ctx->large, SIZE_MAX, NULL);
+    int64_t room = (int64_t)ctx->budget - ctx->stats.held.current;
+    if (st || room <= 0) return st;
+    return spw__arena_map_free(ctx->large, (size_t)room, e->h2d);
+}
+
 SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
     spw_status st;
     if ((st = enter(b, "spw_prefetch"))) return st;

@@ -147,6 +147,9 @@ void spw__arena_forget_event(spw_arena *a, spw_event ev);
 /* Release cached memory until at least `want` bytes are released or nothing is left
  * (want == SIZE_MAX: everything). Synchronizes the streams of released blocks. */
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
+/* VMM: map up to `bytes` (whole pages, within the budget) as one free block of stream s's pool,
+ * where one hole can take them. Other arenas: nothing. */
+spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s);
 size_t spw__arena_largest_free(const spw_arena *a);
 /* Stream s (already synchronized) is about to be destroyed: its free blocks move to the default
  * stream's pool and nothing will wait on or synchronize it again. */

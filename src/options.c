@@ -61,8 +61,10 @@ static const opt_def options[] = {
     {"prefetch_early", OPT_INT_AUTO, "auto", NULL, OFF(prefetch_early),
      "policy=plan: buffers it may prefetch ahead of the byte-optimal schedule (each can cost one "
      "extra transfer, but keeps the link busy during runs of resident buffers); auto times no "
-     "prefetch at all, a double buffer and a static split (a fixed set, the rest through two "
-     "buffers of room) for three steps each (the last two timed) and keeps the fastest"},
+     "prefetch at all, a double buffer, a static split (a fixed set, the rest through two "
+     "buffers of room) and a split with one buffer of room and a quarter (each upload starts "
+     "beside the buffer it replaces while that one is still read) for three steps each (the "
+     "last two timed) and keeps the fastest"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

@@ -9,7 +9,8 @@
  * - Called with the context lock held, from whichever thread made the API call. A callback must
  *   not block, must not call public spw_ functions (the lock is not recursive) and must not call
  *   the backend. It may call the spw__pol_* queries below, and (only from `prefetch`)
- *   spw__engine_prefetch.
+ *   spw__engine_prefetch, spw__engine_evict and, at a step boundary, spw__engine_stream_room
+ *   (the one call that blocks).
  * - Notification callbacks (on_*) cannot fail; a policy that cannot record something (host
  *   allocation failure) must degrade (e.g. forget its plan) and keep answering correctly.
  * - Any callback may be NULL except choose_victim.
@@ -112,6 +113,13 @@ spw_buf *spw__pol_next(spw_buf *b);
  * choose_victim(for_prefetch=1) for room; without it, it uses only free budget. Errors leave b
  * and every other buffer intact (as for spw_prefetch). */
 spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict);
+/* Evict b (evictable, by the policy's choice: a dirty one is written back unless need_writeback
+ * says otherwise). On failure b is unchanged. */
+spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b);
+/* Make the device room the budget leaves one free block that uploads take from: the large
+ * arena's cached memory is returned (synchronizing its streams: the host waits) and the room
+ * left is mapped in one piece for the H2D stream. VMM arenas only; elsewhere it does nothing. */
+spw_status spw__engine_stream_room(spw_ctx *ctx);
 
 /* The policies, by option value. */
 extern const spw_policy_ops spw__policy_lru;

@@ -37,7 +37,10 @@
 _Thread_local int spw__plan_hash_oom;
 
 /* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC). */
-static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC};
+static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC, PF_SLOT};
+
+/* Pipelines with a fixed set. */
+static bool fixed_pipeline(int mode) { return mode == PF_STATIC || mode == PF_SLOT; }
 
 
 /* ---- plan index ---- */
@@ -210,7 +213,7 @@ static uint64_t bytes_moved(const spw_policy *p) { return (uint64_t)p->ctx->stat
  * for no prefetch with all the room, for the double buffer with a buffer of room less). STATIC
  * moves the same set every step. */
 static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
-    if (mode == PF_STATIC || !timed) return (double)timed;
+    if (fixed_pipeline(mode) || !timed) return (double)timed;
     size_t cap = spw__plan_capacity(p), largest = spw__plan_largest(p);
     double e = spw__plan_belady_bytes(p, mode == PF_OFF ? cap : cap > largest ? cap - largest : 0, 16);
     return e > 0 ? e : (double)timed;
@@ -418,10 +421,11 @@ static spw_buf *farthest(spw_policy *p, spw_buf *incoming, int skip, bool prefer
 static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch) {
     uint64_t best_d;
     if (p->rebasing) return farthest(p, incoming, SKIP_TARGET, false, &best_d);
+    if (p->taking_up) return farthest(p, incoming, SKIP_FIXED, false, &best_d);
     if (!for_prefetch) check_incoming(p, incoming);
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
     if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
-    bool split = p->early_max == PF_STATIC; /* STATIC: the fixed set only as a last resort */
+    bool split = fixed_pipeline(p->early_max); /* the fixed set only as a last resort */
     spw_buf *best = farthest(p, incoming, split ? SKIP_FIXED : SKIP_NONE, true, &best_d);
     if (!best && split && !for_prefetch) /* a demand load must not fail for the split */
         best = farthest(p, incoming, SKIP_NONE, true, &best_d);
@@ -451,8 +455,9 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
  * buffer overlap the work on the current one. */
 static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
     if (!just) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
-        if (p->early_max == PF_STATIC) spw__plan_choose_fixed(p);
+        if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
         else spw__plan_clear_fixed(p);
+        if (p->early_max == PF_SLOT) spw__plan_take_up_fixed(p, ctx);
     }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */
@@ -505,8 +510,11 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
 /* ---- the summary line ---- */
 
 static const char *pipeline_name(int mode) {
-    return mode == PF_OFF ? "no prefetch" : mode == PF_STATIC ? "static split" : mode == 0 ? "double buffer"
-                                                                                        : "early prefetch";
+    return mode == PF_OFF      ? "no prefetch"
+           : mode == PF_STATIC ? "static split"
+           : mode == PF_SLOT   ? "split, one slot"
+           : mode == 0         ? "double buffer"
+                               : "early prefetch";
 }
 
 static void plan_describe(spw_policy *p, char *buf, size_t len) {
@@ -526,8 +534,9 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     } else if (p->ctx->cfg.prefetch_early < 0) {
         double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
-                       "static split %.1f ms)", pipeline_name(p->early_max), (double)p->trial_ns[0] / per_step,
-                 (double)p->trial_ns[1] / per_step, (double)p->trial_ns[2] / per_step);
+                       "static split %.1f ms, split with one slot %.1f ms)", pipeline_name(p->early_max),
+                 (double)p->trial_ns[0] / per_step, (double)p->trial_ns[1] / per_step,
+                 (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step);
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }

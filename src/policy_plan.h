@@ -30,11 +30,17 @@ extern _Thread_local int spw__plan_hash_oom;
  * step so that work runs between the others, which stream through two buffers of room, each
  * prefetched as soon as the one it replaces is released, back to back on the link; the same
  * bytes as the double buffer but no idle link during runs of resident buffers (large batches).
+ * SLOT: STATIC with one buffer of room and a quarter more instead of two, so one more buffer
+ * is fixed: each upload evicts the buffer streamed before it and starts on the bytes that buffer
+ * never occupied while its work still runs (arena owed waits), then fills the rest. It hides a
+ * transfer behind work as long as a quarter buffer of transfer covers that work, with fewer bytes
+ * moved than STATIC. The room is made one piece when its fixed set is taken up.
  * (Measured on the H200, deeper early prefetch than the double buffer was never faster than
  * STATIC, and every trial step pays its extra bytes.) */
 #define PF_OFF (-1)
 #define PF_STATIC (-2)
-#define N_TRIALS 3
+#define PF_SLOT (-3)
+#define N_TRIALS 4
 #define TRIAL_STEPS 3
 
 #ifndef FREE_VICTIM_SLACK
@@ -97,6 +103,7 @@ struct spw_policy {
     uint64_t created_in_step;
     bool rebase_due;       /* a new plan was learned from a step that did not follow one */
     bool rebasing;         /* choose_victim: only buffers outside the target set */
+    bool taking_up;        /* choose_victim: only buffers outside the fixed set (SLOT) */
     bool ahead;            /* prefetching for the next step between steps: clean victims only */
 };
 
@@ -113,8 +120,13 @@ size_t spw__plan_largest(const spw_policy *p);
 double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods);
 /* Move to the start state of a newly learned plan (from the policy's prefetch callback). */
 void spw__plan_rebase(spw_policy *p, spw_ctx *ctx);
-/* STATIC: mark the fixed set for the current plan / unmark every buffer. */
-void spw__plan_choose_fixed(spw_policy *p);
+/* STATIC and SLOT: mark the fixed set for the current plan, leaving `room` bytes besides it for
+ * the streamed buffers (a function of the largest, see spw__plan_stream_room) / unmark every
+ * buffer. */
+void spw__plan_choose_fixed(spw_policy *p, int mode);
+/* SLOT: when a fixed buffer is not resident, make the fixed set resident and the room left one
+ * piece of free device memory (the engine trims and maps it; the streams are synchronized once). */
+void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx);
 void spw__plan_clear_fixed(spw_policy *p);
 
 #endif /* SPW_POLICY_PLAN_H */

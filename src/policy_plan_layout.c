@@ -158,12 +158,13 @@ static void fix_key(spw_policy *p, uint64_t key) {
 }
 
 /* Choose the fixed set for the current plan, as an expert places a static split: room for two
- * of the largest streamed buffers is kept; buffers used more than once a step are fixed first
+ * of the largest streamed buffers is kept (SLOT: one and a quarter); buffers used more than once
+ * a step are fixed first
  * (streamed, they would cross the link more than once); the rest, in order of first use, are
  * fixed while the fixed bytes stay within their share of the bytes seen so far, which spreads
  * them evenly over the step (layer l of N is fixed iff floor((l+1)k/N) > floor(lk/N) when sizes
  * are equal), so that work on fixed buffers hides each streamed transfer. */
-void spw__plan_choose_fixed(spw_policy *p) {
+void spw__plan_choose_fixed(spw_policy *p, int mode) {
     spw__plan_clear_fixed(p);
     if (!p->index || !p->nplan) return;
     size_t cap = spw__plan_capacity(p), total = 0, largest = 0, once = 0;
@@ -180,8 +181,9 @@ void spw__plan_choose_fixed(spw_policy *p) {
         for (size_t i = 0; i < p->nplan; i++) fix_key(p, p->plan[i].key);
         return;
     }
-    if (cap <= 2 * largest) return;
-    size_t room = cap - 2 * largest, used = 0;
+    size_t stream = mode == PF_SLOT ? largest + SPW_ALIGN_UP(largest / 4, 512) : 2 * largest;
+    if (cap <= stream) return;
+    size_t room = cap - stream, used = 0;
     for (int pass = 0; pass < 2; pass++) {
         size_t seen = 0, share = pass ? room - used : 0;
         for (size_t i = 0; i < p->nplan; i++) {
@@ -201,3 +203,28 @@ void spw__plan_choose_fixed(spw_policy *p) {
     }
 }
 
+
+void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
+    bool missing = false;
+    kbuf *k, *tmp;
+    HASH_ITER(hh, p->by_key, k, tmp) missing |= k->fixed && !spw__pol_resident(k->buf);
+    if (!missing) return;
+    /* the fixed set in (victims outside it), everything else out, then the room in one piece */
+    p->taking_up = true;
+    HASH_ITER(hh, p->by_key, k, tmp) {
+        if (!k->fixed || spw__pol_resident(k->buf)) continue;
+        spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
+        if (st) {
+            p->taking_up = false;
+            spw__error_clear();
+            return; /* the room stays as it is; the next step boundary tries again */
+        }
+    }
+    p->taking_up = false;
+    for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b)) {
+        kbuf *kb = kb_of(b);
+        if ((!kb || !kb->fixed) && spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b))
+            spw__error_clear();
+    }
+    if (spw__engine_stream_room(ctx)) spw__error_clear();
+}

@@ -462,6 +462,75 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
 
 
 
+typedef struct kcheck_n {
+    const uint8_t *d;
+    size_t n;
+    uint8_t want;
+    atomic_int *bad;
+} kcheck_n;
+
+static void check_n_cb(void *a) {
+    kcheck_n *k = a;
+    for (size_t i = 0; i < k->n; i += 4093)
+        if (k->d[i] != k->want) atomic_store(k->bad, 1);
+    if (k->d[k->n - 1] != k->want) atomic_store(k->bad, 1);
+}
+
+/* SLOT keeps one buffer of room and a quarter for the streamed buffers instead of two, so one
+ * more is fixed. Eight 4 MiB buffers read in order under 26 MiB: STATIC fixes 4 and streams 4
+ * a step; SLOT fixes 5, takes up the 6 MiB left as one piece, and streams 3 a step, each upload
+ * evicting the buffer streamed before it. Every read sees its buffer's bytes. */
+static void split_with_one_slot(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 8, STEPS = 8 };
+    const size_t L = 4 * MiB;
+    spw_ctx *ctx = test_ctx("budget=26MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
+                            "vmm_large_page=2MiB");
+    ctx->engine->pol->early_max = PF_SLOT; /* as the timing may pick it on a link */
+    spw_buf *b[NB];
+    uint8_t *host = malloc(L);
+    assert_non_null(host);
+    for (int i = 0; i < NB; i++) {
+        assert_ok(spw_buf_create(ctx, L, SPW_BUF_READ_ONLY, &b[i]));
+        memset(host, 0x30 + i, L);
+        assert_ok(spw_buf_write(b[i], 0, host, L));
+    }
+    free(host);
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    kcheck_n k[NB];
+    int64_t h0 = 0;
+    unsigned long c0 = 0;
+    for (int s = 0; s < STEPS; s++) {
+        if (s == STEPS - 3) {
+            h0 = test_stats(ctx).bytes_h2d.total;
+            c0 = spw__emu_calls(ctx->backend, SPW_CALL_MEMCPY);
+        }
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            k[i] = (kcheck_n){d, L, (uint8_t)(0x30 + i), &bad};
+            assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
+            assert_ok(spw_release(b[i], NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+    int fixed = 0;
+    for (int i = 0; i < NB; i++) fixed += kb_of(b[i])->fixed && b[i]->resident;
+    assert_int_equal(fixed, 5);
+    assert_int_equal(test_stats(ctx).bytes_h2d.total - h0, 3 * 3 * (int64_t)L);
+    /* each upload in two pieces: the half beside the buffer it replaces, then the rest */
+    assert_int_equal(spw__emu_calls(ctx->backend, SPW_CALL_MEMCPY) - c0, 2 * 3 * 3);
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_true(test_stats(ctx).held.peak <= 26 * (int64_t)MiB);
+    assert_ok(spw__arena_check(ctx->large));
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
+    spw_ctx_destroy(ctx);
+}
+
 /* The summary says what the policy learned and does: nothing before the first step, then the
  * plan's length and the pipeline (here none: prefetch=off). */
 static void summary_line(void **state) {
@@ -494,6 +563,7 @@ int main(void) {
         cmocka_unit_test(prefetch_schedule),
         cmocka_unit_test(prefetch_across_steps),
         cmocka_unit_test(prefetch_costs_at_most_one_buffer),
+        cmocka_unit_test(split_with_one_slot),
         cmocka_unit_test(summary_line),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

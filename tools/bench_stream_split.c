@@ -7,8 +7,8 @@
  * loop does. No library code is involved: plain CUDA, the same cuBLAS products as every run.
  *
  * What fits: everything the split holds on the device during a pass counts against the same
- * budget as the spillway runs: (k + slots) layers + the four activation buffers the spillway runs
- * take (input, two ping-pong, first output). The expert tries every k that fits, and for each
+ * budget as the spillway runs: (k + slots) layers + the three activation buffers the spillway runs
+ * hold during their timed passes (input, two ping-pong). The expert tries every k that fits, and for each
  * two placements of the resident layers: a prefix (layers 0..k-1) and spread evenly (so the link
  * works during runs of resident layers); each candidate is timed for SEARCH_PASSES passes
  * (median after the first) and the fastest is then timed like the spillway runs and checked
@@ -107,7 +107,7 @@ fail:
 static int split_setup(bench *B, split_state *S, long k, int spread, size_t budget) {
     long N = B->o.layers;
     long nslots = N - k < 2 ? N - k : 2;
-    if ((uint64_t)(k + nslots) * B->layer_bytes + 4 * (uint64_t)B->act_bytes > budget) return 1;
+    if ((uint64_t)(k + nslots) * B->layer_bytes + 3 * (uint64_t)B->act_bytes > budget) return 1;
     S->m = 0;
     for (long l = 0, r = 0; l < N; l++) {
         bool res = is_resident(l, k, N, spread);

@@ -53,7 +53,7 @@ static void usage(FILE *f) {
             "result against the same chain on all-resident weights; reports ms per pass, bytes\n"
             "moved, GB/s and the ratio to the link bound (bytes moved / pinned H2D rate measured\n"
             "in the same run) and to the all-resident time.\n\n"
-            "Defaults on cuda: --layers 32 --layer-mib 128 --batch 16 --passes 24 (the\n"
+            "Defaults on cuda: --layers 32 --layer-mib 128 --batch 16 --passes 32 (the\n"
             "acceptance run: add --budget 2GiB); on emu (no GPU): --layers 8 --layer-mib 2\n"
             "--batch 16 --passes 4, a host stand-in for the product. --budget defaults to half\n"
             "the model plus the activations (rounded up to 2 MiB).\n"
@@ -361,7 +361,7 @@ int spw_bench_stream(int argc, char **argv) {
     if (!B.o.layers) B.o.layers = B.gpu ? 32 : 8;
     if (!B.o.layer_mib) B.o.layer_mib = B.gpu ? 128 : 2;
     if (!B.o.batch) B.o.batch = 16;
-    if (!B.o.passes) B.o.passes = B.gpu ? 24 : 4; /* policy=plan times its pipelines on passes 1-6 */
+    if (!B.o.passes) B.o.passes = B.gpu ? 32 : 4; /* policy=plan times its pipelines on passes 1-12 */
     B.K = (size_t)floor(sqrt(B.o.layer_mib * (double)SPW_MiB / 2.0)) / 8 * 8;
     if (B.K < 8) {
         fprintf(stderr, "spillway bench stream: --layer-mib %g is too small (K < 8)\n", B.o.layer_mib);
