@@ -424,7 +424,9 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
     if (p->taking_up) return farthest(p, incoming, SKIP_FIXED, false, &best_d);
     if (!for_prefetch) check_incoming(p, incoming);
     if (!predicting(p)) return spw__policy_lru.choose_victim(p->lru, need, incoming, for_prefetch);
-    if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return NULL; /* decline hints */
+    /* decline hints where room for one transfer is all there is: a hint for a buffer beyond the
+     * next would displace the next */
+    if (for_prefetch && !p->pf_own && (p->early_max == PF_OFF || p->early_max == PF_SLOT)) return NULL;
     bool split = fixed_pipeline(p->early_max); /* the fixed set only as a last resort */
     spw_buf *best = farthest(p, incoming, split ? SKIP_FIXED : SKIP_NONE, true, &best_d);
     if (!best && split && !for_prefetch) /* a demand load must not fail for the split */
