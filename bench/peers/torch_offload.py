@@ -942,9 +942,10 @@ def main():
     p.add_argument("--tokens", type=int, default=None, help="decode: new tokens (default 64; smoke 8)")
     p.add_argument("--accel-tokens", type=int, default=4, help="decode tokens timed for accelerate")
     p.add_argument("--passes", type=int, default=6, help="(a): passes per batch, first is validation")
-    p.add_argument("--warmup", type=int, default=12,
+    p.add_argument("--warmup", type=int, default=14,
                    help="untimed passes after the validation one, for every variant but accelerate's "
-                        "(plan learns in its first step and times its three pipelines over the next nine)")
+                        "(plan learns in its first step, times its four pipelines over the next twelve, "
+                        "and may move to the one it keeps in the step after)")
     p.add_argument("--prefill-passes", type=int, default=3, help="(b) prefill: passes, first is validation")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")
     p.add_argument("--search-passes", type=int, default=2, help="(a) static split: timed passes per candidate")
