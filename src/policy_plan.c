@@ -240,6 +240,7 @@ static void tune_early(spw_policy *p, uint64_t now) {
         double b = (double)p->trial_bytes[i];
         double e = timed * expected_bytes(p, EARLY_TRIALS[i], p->trial_bytes[i] / (uint64_t)timed);
         double t = (double)p->trial_ns[i] * (b > 0 ? e / b : 1.0);
+        p->trial_t[i] = t;
         if (i == 0 || t < best_t) {
             best = i;
             best_t = t;
@@ -247,6 +248,7 @@ static void tune_early(spw_policy *p, uint64_t now) {
     }
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
+    p->slot_retakes = 0;
 }
 
 static void plan_step_end(spw_policy *p) {
@@ -450,6 +452,18 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     return !(d != FAR && mode == SPW_ACCESS_WRITE);
 }
 
+/* SLOT's fixed set keeps being displaced: take the fastest other pipeline of the timing (the
+ * first listed when nothing was timed). */
+static void leave_slot(spw_policy *p) {
+    int best = -1;
+    for (int i = 0; i < N_TRIALS; i++)
+        if (EARLY_TRIALS[i] != PF_SLOT && (best < 0 || p->trial_t[i] < p->trial_t[best])) best = i;
+    p->early_max = EARLY_TRIALS[best];
+    p->slot_left = true;
+    if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
+    else spw__plan_clear_fixed(p);
+}
+
 /* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
  * must be needed later than every buffer used between now and the prefetched one's use (each
  * of those will be a candidate when it is released). The buffers the caller holds right now
@@ -459,7 +473,9 @@ static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
     if (!just) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
         if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
         else spw__plan_clear_fixed(p);
-        if (p->early_max == PF_SLOT) spw__plan_take_up_fixed(p, ctx);
+        if (p->early_max == PF_SLOT && spw__plan_take_up_fixed(p, ctx) && p->trial < 0 &&
+            ++p->slot_retakes > SLOT_RETAKES)
+            leave_slot(p);
     }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */
@@ -536,9 +552,10 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     } else if (p->ctx->cfg.prefetch_early < 0) {
         double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
-                       "static split %.1f ms, split with one slot %.1f ms)", pipeline_name(p->early_max),
+                       "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
                  (double)p->trial_ns[0] / per_step, (double)p->trial_ns[1] / per_step,
-                 (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step);
+                 (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step,
+                 p->slot_left ? "; the split with one slot was left: its fixed set did not hold" : "");
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }

@@ -42,6 +42,10 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_SLOT (-3)
 #define N_TRIALS 4
 #define TRIAL_STEPS 3
+/* SLOT is left for the best other pipeline when its fixed set had to be taken up again more
+ * than this many times after the timing chose it (something else displaces the fixed set every
+ * step: each take-up synchronizes the streams). */
+#define SLOT_RETAKES 2
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
@@ -97,6 +101,9 @@ struct spw_policy {
     int trial_step;        /* steps run of the current trial */
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
+    double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
+    int slot_retakes;               /* SLOT's take-ups since the timing chose it */
+    bool slot_left;                 /* SLOT was chosen, then left (its fixed set did not hold) */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
@@ -126,7 +133,7 @@ void spw__plan_rebase(spw_policy *p, spw_ctx *ctx);
 void spw__plan_choose_fixed(spw_policy *p, int mode);
 /* SLOT: when a fixed buffer is not resident, make the fixed set resident and the room left one
  * piece of free device memory (the engine trims and maps it; the streams are synchronized once). */
-void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx);
+bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx); /* true when it had to */
 void spw__plan_clear_fixed(spw_policy *p);
 
 #endif /* SPW_POLICY_PLAN_H */

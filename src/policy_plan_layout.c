@@ -204,11 +204,11 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
 }
 
 
-void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
+bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
     bool missing = false;
     kbuf *k, *tmp;
     HASH_ITER(hh, p->by_key, k, tmp) missing |= k->fixed && !spw__pol_resident(k->buf);
-    if (!missing) return;
+    if (!missing) return false;
     /* the fixed set in (victims outside it), everything else out, then the room in one piece */
     p->taking_up = true;
     HASH_ITER(hh, p->by_key, k, tmp) {
@@ -217,7 +217,7 @@ void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
         if (st) {
             p->taking_up = false;
             spw__error_clear();
-            return; /* the room stays as it is; the next step boundary tries again */
+            return true; /* the room stays as it is; the next step boundary tries again */
         }
     }
     p->taking_up = false;
@@ -227,4 +227,5 @@ void spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
             spw__error_clear();
     }
     if (spw__engine_stream_room(ctx)) spw__error_clear();
+    return true;
 }

@@ -535,6 +535,53 @@ static void split_with_one_slot(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* SLOT's fixed set must hold for the pipeline to pay: when something displaces it every step
+ * (here the user evicts the fixed C after each use), each step boundary takes it up again,
+ * synchronizing the streams. After SLOT_RETAKES such take-ups the policy leaves SLOT for the
+ * best other pipeline, and the data stays right throughout. */
+static void split_with_one_slot_left_when_displaced(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 8, STEPS = 8 };
+    const size_t L = 4 * MiB;
+    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
+                            "vmm_large_page=2MiB");
+    spw_policy *pol = ctx->engine->pol;
+    pol->early_max = PF_SLOT;
+    spw_buf *b[NB];
+    uint8_t *host = malloc(L);
+    assert_non_null(host);
+    for (int i = 0; i < NB; i++) {
+        assert_ok(spw_buf_create(ctx, L, SPW_BUF_READ_ONLY, &b[i]));
+        memset(host, 0x40 + i, L);
+        assert_ok(spw_buf_write(b[i], 0, host, L));
+    }
+    free(host);
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    kcheck_n k[NB];
+    int slot_steps = 0;
+    for (int s = 0; s < STEPS; s++) {
+        assert_ok(spw_step_begin(ctx));
+        slot_steps += pol->early_max == PF_SLOT;
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            k[i] = (kcheck_n){d, L, (uint8_t)(0x40 + i), &bad};
+            assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
+            assert_ok(spw_release(b[i], NULL));
+            if (i == 2 && s >= 1) assert_ok(spw_evict(b[2]));
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+    assert_int_not_equal(pol->early_max, PF_SLOT);
+    assert_true(pol->slot_left);
+    assert_true(slot_steps >= 2 && slot_steps < STEPS);
+    assert_int_equal(atomic_load(&bad), 0);
+    spw_ctx_destroy(ctx);
+}
+
 /* The summary says what the policy learned and does: nothing before the first step, then the
  * plan's length and the pipeline (here none: prefetch=off). */
 static void summary_line(void **state) {
@@ -568,6 +615,7 @@ int main(void) {
         cmocka_unit_test(prefetch_across_steps),
         cmocka_unit_test(prefetch_costs_at_most_one_buffer),
         cmocka_unit_test(split_with_one_slot),
+        cmocka_unit_test(split_with_one_slot_left_when_displaced),
         cmocka_unit_test(summary_line),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -174,12 +174,15 @@ def spillway_figures(off):
     """All reads of spillway's statistics: cumulative bytes_h2d, hook host ns and acquisitions,
     device bytes held at peak. Missing names come back as None."""
     s = off.stats()
+    pol = [ln.strip() for ln in off.summary().splitlines() if ln.strip().startswith("policy ")]
     return dict(
+        policy=pol[-1] if pol else None,
         bytes_h2d=_stat(s, "bytes_h2d"),
         bytes_d2h=_stat(s, "bytes_d2h"),
         hook_ns=_stat(s, "hook_ns", "hook_time_ns", "hooks_ns"),
         acquires=_stat(s, "hook_acquires", "acquires", "acquire", "blocks_acquired"),
         stalls=_stat(s, "stalls"),
+        trim_syncs=_stat(s, "trim_syncs"),
         held_peak=_peak(s, "held", "device_held", "bytes_held", "held_bytes"),
         stats=s,
     )
