@@ -473,9 +473,12 @@ static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
     if (!just) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
         if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
         else spw__plan_clear_fixed(p);
-        if (p->early_max == PF_SLOT && spw__plan_take_up_fixed(p, ctx) && p->trial < 0 &&
-            ++p->slot_retakes > SLOT_RETAKES)
-            leave_slot(p);
+        if (p->early_max == PF_SLOT) {
+            bool trimmed = ctx->stats.trim_syncs.total > p->trims_seen;
+            bool broken = spw__plan_take_up_fixed(p, ctx) || trimmed;
+            if (broken && p->trial < 0 && ++p->slot_retakes > SLOT_RETAKES) leave_slot(p);
+        }
+        p->trims_seen = ctx->stats.trim_syncs.total;
     }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */

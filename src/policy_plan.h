@@ -42,9 +42,10 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_SLOT (-3)
 #define N_TRIALS 4
 #define TRIAL_STEPS 3
-/* SLOT is left for the best other pipeline when its fixed set had to be taken up again more
- * than this many times after the timing chose it (something else displaces the fixed set every
- * step: each take-up synchronizes the streams). */
+/* SLOT is left for the best other pipeline when, after the timing chose it, more than this many
+ * step boundaries found its premise broken: the fixed set displaced (taken up again) or the
+ * device memory trimmed since the last boundary (the room no longer one piece: uploads of other
+ * sizes found no place). Each take-up and each trim synchronizes the streams. */
 #define SLOT_RETAKES 2
 
 #ifndef FREE_VICTIM_SLACK
@@ -102,7 +103,8 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
-    int slot_retakes;               /* SLOT's take-ups since the timing chose it */
+    int slot_retakes;               /* SLOT's broken boundaries since the timing chose it */
+    int64_t trims_seen;             /* the context's trim_syncs at the last step boundary */
     bool slot_left;                 /* SLOT was chosen, then left (its fixed set did not hold) */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */
