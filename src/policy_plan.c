@@ -248,7 +248,7 @@ static void tune_early(spw_policy *p, uint64_t now) {
     }
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
-    p->slot_retakes = 0;
+    p->slot_broken = 0;
 }
 
 static void plan_step_end(spw_policy *p) {
@@ -476,7 +476,10 @@ static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
         if (p->early_max == PF_SLOT) {
             bool trimmed = ctx->stats.trim_syncs.total > p->trims_seen;
             bool broken = spw__plan_take_up_fixed(p, ctx) || trimmed;
-            if (broken && p->trial < 0 && ++p->slot_retakes > SLOT_RETAKES) leave_slot(p);
+            if (p->trial < 0) {
+                p->slot_broken = (uint8_t)(p->slot_broken << 1 | broken);
+                if (__builtin_popcount(p->slot_broken) >= SLOT_BROKEN_OF_8) leave_slot(p);
+            }
         }
         p->trims_seen = ctx->stats.trim_syncs.total;
     }

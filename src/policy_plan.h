@@ -42,11 +42,14 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_SLOT (-3)
 #define N_TRIALS 4
 #define TRIAL_STEPS 3
-/* SLOT is left for the best other pipeline when, after the timing chose it, more than this many
- * step boundaries found its premise broken: the fixed set displaced (taken up again) or the
- * device memory trimmed since the last boundary (the room no longer one piece: uploads of other
- * sizes found no place). Each take-up and each trim synchronizes the streams. */
-#define SLOT_RETAKES 2
+/* SLOT is left for the best other pipeline when, after the timing chose it, this many of the last
+ * eight step boundaries found its premise broken: the fixed set displaced (taken up again) or the
+ * device memory trimmed since the boundary before (the room no longer one piece: an upload of
+ * another size found no place). Each take-up and each trim synchronizes the streams; a rare one
+ * costs less than the pipeline saves, one at most boundaries does not (measured on the H200:
+ * prefill of 416 MiB layers and 250 MiB embeddings trimmed now and then, their decode twice a
+ * step, at 0.78 of the link). */
+#define SLOT_BROKEN_OF_8 5
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
@@ -103,7 +106,7 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
-    int slot_retakes;               /* SLOT's broken boundaries since the timing chose it */
+    uint8_t slot_broken;            /* SLOT's last eight boundaries since the timing chose it, 1 = broken */
     int64_t trims_seen;             /* the context's trim_syncs at the last step boundary */
     bool slot_left;                 /* SLOT was chosen, then left (its fixed set did not hold) */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
