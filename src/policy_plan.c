@@ -474,14 +474,17 @@ static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
         if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
         else spw__plan_clear_fixed(p);
         if (p->early_max == PF_SLOT) {
-            bool trimmed = ctx->stats.trim_syncs.total > p->trims_seen;
-            bool broken = spw__plan_take_up_fixed(p, ctx) || trimmed;
-            if (p->trial < 0) {
-                p->slot_broken = (uint8_t)(p->slot_broken << 1 | broken);
-                if (__builtin_popcount(p->slot_broken) >= SLOT_BROKEN_OF_8) leave_slot(p);
+            p->slot_step_broken |= spw__plan_take_up_fixed(p, ctx);
+            if (p->in_step) { /* a step begins: judge the one that ended */
+                bool broken = p->slot_step_broken || ctx->stats.trim_syncs.total > p->trims_seen;
+                p->slot_step_broken = false;
+                if (p->trial < 0) {
+                    p->slot_broken = (uint8_t)(p->slot_broken << 1 | broken);
+                    if (__builtin_popcount(p->slot_broken) >= SLOT_BROKEN_OF_8) leave_slot(p);
+                }
             }
         }
-        p->trims_seen = ctx->stats.trim_syncs.total;
+        if (p->in_step) p->trims_seen = ctx->stats.trim_syncs.total;
     }
     size_t n = SPW_MIN(p->nplan, (size_t)LOOKAHEAD_MAX);
     uint64_t floor = 0; /* max over the window so far of the next use after that use */

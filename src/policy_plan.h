@@ -43,13 +43,13 @@ extern _Thread_local int spw__plan_hash_oom;
 #define N_TRIALS 4
 #define TRIAL_STEPS 3
 /* SLOT is left for the best other pipeline when, after the timing chose it, this many of the last
- * eight step boundaries found its premise broken: the fixed set displaced (taken up again) or the
- * device memory trimmed since the boundary before (the room no longer one piece: an upload of
- * another size found no place). Each take-up and each trim synchronizes the streams; a rare one
- * costs less than the pipeline saves, one at most boundaries does not (measured on the H200:
- * prefill of 416 MiB layers and 250 MiB embeddings trimmed now and then, their decode twice a
- * step, at 0.78 of the link). */
-#define SLOT_BROKEN_OF_8 5
+ * eight steps found its premise broken: the fixed set displaced (taken up again at a step
+ * boundary) or the device memory trimmed during the step (the room no longer one piece: an
+ * upload of another size found no place). Each take-up and each trim synchronizes the streams; a
+ * rare one costs less than the pipeline saves, one every step does not (measured on the H200:
+ * prefill of 416 MiB layers and 250 MiB embeddings trimmed now and then, their decode about twice
+ * a step, at 0.78-0.81 of the link). */
+#define SLOT_BROKEN_OF_8 4
 
 #ifndef FREE_VICTIM_SLACK
 #define FREE_VICTIM_SLACK 2
@@ -106,8 +106,9 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
-    uint8_t slot_broken;            /* SLOT's last eight boundaries since the timing chose it, 1 = broken */
-    int64_t trims_seen;             /* the context's trim_syncs at the last step boundary */
+    uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */
+    bool slot_step_broken;          /* SLOT: a take-up since the current step began */
+    int64_t trims_seen;             /* the context's trim_syncs when the current step began */
     bool slot_left;                 /* SLOT was chosen, then left (its fixed set did not hold) */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */

@@ -535,12 +535,13 @@ static void split_with_one_slot(void **state) {
     spw_ctx_destroy(ctx);
 }
 
-/* SLOT's fixed set must hold for the pipeline to pay: when something displaces it every step
- * (here the user evicts the fixed C after each use), each step boundary takes it up again,
- * synchronizing the streams. When SLOT_BROKEN_OF_8 of the last eight boundaries needed it, the
- * policy leaves SLOT for the best other pipeline, and the data stays right throughout. */
-static void split_with_one_slot_left_when_displaced(void **state) {
-    (void)state;
+/* SLOT's fixed set and its room must hold for the pipeline to pay. Something displaces the fixed
+ * set every step (the user evicts the fixed C after each use: each step boundary takes it up
+ * again, synchronizing the streams), or the device memory is trimmed during every step (counted
+ * as the arena counts its trims): when SLOT_BROKEN_OF_8 of the last eight steps were broken the
+ * policy leaves SLOT for the best other pipeline; one trim in eight steps does not make it leave.
+ * The data stays right throughout. */
+static void slot_run(int how) {
     TEST_REQUIRE_EMU();
     enum { NB = 8, STEPS = 10 };
     const size_t L = 4 * MiB;
@@ -570,16 +571,33 @@ static void split_with_one_slot_left_when_displaced(void **state) {
             k[i] = (kcheck_n){d, L, (uint8_t)(0x40 + i), &bad};
             assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
             assert_ok(spw_release(b[i], NULL));
-            if (i == 2 && s >= 1) assert_ok(spw_evict(b[2]));
+            if (how == 0 && i == 2 && s >= 1) assert_ok(spw_evict(b[2]));
+            if (i == 2 && (how == 1 || (how == 2 && s == 4))) ctx->stats.trim_syncs.total++;
         }
         assert_ok(spw_step_end(ctx));
         assert_ok(spw_stream_synchronize(ctx, NULL));
     }
-    assert_int_not_equal(pol->early_max, PF_SLOT);
-    assert_true(pol->slot_left);
-    assert_true(slot_steps >= SLOT_BROKEN_OF_8 / 2 && slot_steps < STEPS);
+    if (how == 2) {
+        assert_int_equal(pol->early_max, PF_SLOT);
+        assert_false(pol->slot_left);
+    } else {
+        assert_int_not_equal(pol->early_max, PF_SLOT);
+        assert_true(pol->slot_left);
+        assert_true(slot_steps >= SLOT_BROKEN_OF_8 && slot_steps < STEPS);
+    }
     assert_int_equal(atomic_load(&bad), 0);
     spw_ctx_destroy(ctx);
+}
+
+static void split_with_one_slot_left_when_displaced(void **state) {
+    (void)state;
+    slot_run(0);
+}
+
+static void split_with_one_slot_left_when_trimming(void **state) {
+    (void)state;
+    slot_run(1);
+    slot_run(2);
 }
 
 /* The summary says what the policy learned and does: nothing before the first step, then the
@@ -616,6 +634,7 @@ int main(void) {
         cmocka_unit_test(prefetch_costs_at_most_one_buffer),
         cmocka_unit_test(split_with_one_slot),
         cmocka_unit_test(split_with_one_slot_left_when_displaced),
+        cmocka_unit_test(split_with_one_slot_left_when_trimming),
         cmocka_unit_test(summary_line),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
