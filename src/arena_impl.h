@@ -1,0 +1,171 @@
+/*
+ * The device arena's private structures and block helpers, shared by arena.c (allocation, owed
+ * waits, growth), arena_trim.c (returning cached memory) and arena_inspect.c (invariants and
+ * inspection). Not an interface: everything outside the arena uses internal.h. Context lock held.
+ */
+#ifndef SPW_ARENA_IMPL_H
+#define SPW_ARENA_IMPL_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define ROUND 512u   /* allocation granularity and alignment */
+#define SL_BITS 4    /* 16 sub-bins per power of two: fit within 1/16 */
+#define NBINS (16 + 40 * 16)
+#define NWORDS ((NBINS + 63) / 64)
+#define SCAN_LIMIT 64 /* blocks examined in one bin before taking the best seen */
+
+typedef enum { B_HOLE, B_FREE, B_LIVE } bstate;
+
+typedef struct spool spool;
+
+struct spw_block {
+    uintptr_t addr;
+    size_t size;
+    spw_block *prev, *next;   /* address order, within the segment */
+    spw_block *fprev, *fnext; /* bin list (FREE) or hole list (HOLE) */
+    struct seg *seg;
+    spool *pool;
+    int bin;
+    bstate state;
+};
+
+/* One stream's free blocks, binned by size. */
+struct spool {
+    spw_stream stream;
+    bool retired;       /* the stream was destroyed: nothing to synchronize or wait on */
+    spw_event ev;       /* for cross-stream reuse; created on first need */
+    uint64_t bitmap[NWORDS];
+    spw_block *bins[NBINS];
+};
+
+/* A wait pool `pool` owes on ev before touching [lo, hi). */
+typedef struct owed {
+    uintptr_t lo, hi;
+    spw_event ev;
+    spool *pool;
+} owed;
+
+typedef struct seg {
+    uintptr_t base;
+    size_t size;
+    spw_block *first;
+    struct seg *prev, *next;
+} seg;
+
+struct spw_arena {
+    spw_arena_params p;
+    spw_backend *be;
+    struct spw_ctx *ctx;
+    seg *segs;          /* VMM: exactly one (the reservation) */
+    spw_block *holes;   /* VMM: HOLE blocks */
+    spool **pools;
+    size_t npools, cap_pools;
+    spool *last_pool;
+    spw_block *spare;   /* recycled block structs */
+    size_t held;        /* bytes mapped or allocated from the backend by this arena */
+    owed owed[SPW_ARENA_OWED_MAX];
+    int nowed;
+};
+
+static inline size_t page_floor(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_DOWN(x, a->p.page); }
+static inline size_t page_ceil(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_UP(x, a->p.page); }
+
+static inline int bin_of(size_t size) {
+    size_t u = size / ROUND;
+    if (u < 16) return (int)u;
+    int fl = 63 - __builtin_clzll((unsigned long long)u);
+    int sl = (int)((u >> (fl - SL_BITS)) & 15);
+    int b = 16 + (fl - SL_BITS) * 16 + sl;
+    return b < NBINS ? b : NBINS - 1;
+}
+
+static inline spw_block *block_new(spw_arena *a) {
+    spw_block *b = a->spare;
+    if (b) a->spare = b->fnext;
+    else b = malloc(sizeof *b);
+    if (b) memset(b, 0, sizeof *b);
+    return b;
+}
+
+static inline void block_put(spw_arena *a, spw_block *b) {
+    b->fnext = a->spare;
+    a->spare = b;
+}
+
+static inline void bin_insert(spool *p, spw_block *b) {
+    int i = bin_of(b->size);
+    b->bin = i;
+    b->fprev = NULL;
+    b->fnext = p->bins[i];
+    if (b->fnext) b->fnext->fprev = b;
+    p->bins[i] = b;
+    p->bitmap[i / 64] |= 1ull << (i % 64);
+}
+
+static inline void bin_remove(spool *p, spw_block *b) {
+    int i = b->bin;
+    if (b->fprev) b->fprev->fnext = b->fnext;
+    else p->bins[i] = b->fnext;
+    if (b->fnext) b->fnext->fprev = b->fprev;
+    if (!p->bins[i]) p->bitmap[i / 64] &= ~(1ull << (i % 64));
+    b->fprev = b->fnext = NULL;
+}
+
+static inline void hole_insert(spw_arena *a, spw_block *b) {
+    b->state = B_HOLE;
+    b->pool = NULL;
+    b->fprev = NULL;
+    b->fnext = a->holes;
+    if (a->holes) a->holes->fprev = b;
+    a->holes = b;
+}
+
+static inline void hole_remove(spw_arena *a, spw_block *b) {
+    if (b->fprev) b->fprev->fnext = b->fnext;
+    else a->holes = b->fnext;
+    if (b->fnext) b->fnext->fprev = b->fprev;
+    b->fprev = b->fnext = NULL;
+}
+
+/* Bytes mapped or allocated from the backend (+) or returned to it (-): held and cached in the
+ * context's statistics. */
+static inline void account_held(spw_arena *a, int64_t delta) {
+    a->held = (size_t)((int64_t)a->held + delta);
+    spw__stat_add(&a->ctx->stats.held, delta);
+    spw__stat_add(&a->ctx->stats.cached, delta);
+    if (delta > 0) spw__stat_event(&a->ctx->stats.backend_allocs);
+    else spw__stat_event(&a->ctx->stats.backend_frees);
+}
+
+/* Split b so that it keeps its first n bytes; the rest goes into t (or a new block when t is
+ * NULL), state st, same pool, returned out of any list. NULL on host allocation failure (b
+ * unchanged). */
+static inline spw_block *split_tail(spw_arena *a, spw_block *b, size_t n, bstate st, spw_block *t) {
+    if (!t) t = block_new(a);
+    if (!t) return NULL;
+    t->addr = b->addr + n;
+    t->size = b->size - n;
+    t->seg = b->seg;
+    t->pool = b->pool;
+    t->state = st;
+    t->prev = b;
+    t->next = b->next;
+    if (b->next) b->next->prev = t;
+    b->next = t;
+    b->size = n;
+    return t;
+}
+
+/* Merge b->next into b (both out of any list); frees b->next's struct. */
+static inline void absorb_next(spw_arena *a, spw_block *b) {
+    spw_block *n = b->next;
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    block_put(a, n);
+}
+
+#endif /* SPW_ARENA_IMPL_H */
