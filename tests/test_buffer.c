@@ -52,14 +52,6 @@ static void check_contents(spw_buf *b, uint8_t v) {
     free(tmp);
 }
 
-static void fill_buf(spw_buf *b, uint8_t v) {
-    size_t n = spw_buf_size(b);
-    uint8_t *tmp = malloc(n);
-    memset(tmp, v, n);
-    assert_ok(spw_buf_write(b, 0, tmp, n));
-    free(tmp);
-}
-
 /* ---- state transitions ---- */
 
 static void test_states(void **state) {
@@ -72,7 +64,7 @@ static void test_states(void **state) {
     assert_false(b->resident);
     assert_true(b->hv);
     check_contents(b, 0);
-    fill_buf(b, 7);
+    test_fill_buf(b, 7);
     /* host -> clean (acquire READ uploads) */
     void *d = NULL;
     assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
@@ -175,7 +167,7 @@ static void test_nested_and_streams(void **state) {
     assert_ok(spw_stream_create(ctx, &s2));
     spw_buf *b;
     assert_ok(spw_buf_create(ctx, MiB, 0, &b));
-    fill_buf(b, 2);
+    test_fill_buf(b, 2);
     void *d1, *d2;
     assert_ok(spw_acquire(b, s1, SPW_ACCESS_READ, &d1));
     assert_ok(spw_acquire(b, s2, SPW_ACCESS_READ, &d2));
@@ -211,7 +203,7 @@ static void test_streaming_calls(void **state) {
     spw_buf *b[3];
     for (int i = 0; i < 3; i++) {
         assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b[i]));
-        fill_buf(b[i], (uint8_t)(10 + i));
+        test_fill_buf(b[i], (uint8_t)(10 + i));
     }
     spw_backend *be = ctx->backend;
     static const spw_call counted[] = {SPW_CALL_MEMCPY, SPW_CALL_EVENT_RECORD, SPW_CALL_STREAM_WAIT,
@@ -238,7 +230,7 @@ static void test_streaming_calls(void **state) {
     assert_ok(spw_evict(b[0]));
     assert_ok(spw_prefetch(b[0], s));
     check_contents(b[0], 10);
-    fill_buf(b[0], 77); /* the host copy is rewritten while resident: the device copy follows */
+    test_fill_buf(b[0], 77); /* the host copy is rewritten while resident: the device copy follows */
     void *d;
     assert_ok(spw_acquire(b[0], s, SPW_ACCESS_READ, &d));
     assert_ok(spw_stream_synchronize(ctx, s));
@@ -259,7 +251,7 @@ static void test_pressure(void **state) {
     spw_buf *b[N];
     for (int i = 0; i < N; i++) {
         assert_ok(spw_buf_create(ctx, MiB, 0, &b[i]));
-        fill_buf(b[i], (uint8_t)(i + 1));
+        test_fill_buf(b[i], (uint8_t)(i + 1));
     }
     void *d;
     for (int round = 0; round < 3; round++)
@@ -371,7 +363,7 @@ static void test_managed(void **state) {
     for (int i = 0; i < N; i++) {
         assert_ok(spw_buf_create(ctx, MiB, i == 0 ? SPW_BUF_READ_ONLY : 0, &b[i]));
         assert_true(b[i]->managed);
-        fill_buf(b[i], (uint8_t)(10 + i));
+        test_fill_buf(b[i], (uint8_t)(10 + i));
     }
     void *d;
     for (int r = 0; r < 2; r++)
@@ -433,23 +425,6 @@ static void test_destroy_failure_keeps_buffer(void **state) {
 
 /* ---- read-only managed buffers: read-mostly replicas ---- */
 
-typedef struct kcheck {
-    const uint8_t *p;
-    size_t n;
-    uint8_t v;
-    atomic_int *gate; /* when set: wait until it is nonzero (a use still running) */
-    atomic_int *bad;  /* set when a byte differs from v */
-} kcheck;
-static void check_cb(void *a) {
-    kcheck *k = a;
-    while (k->gate && !atomic_load(k->gate)) usleep(200);
-    for (size_t i = 0; i < k->n; i++)
-        if (k->p[i] != k->v) {
-            atomic_store(k->bad, 1);
-            return;
-        }
-}
-
 static spw_stats stats_now(spw_ctx *ctx) {
     spw_stats st;
     assert_ok(spw_stats_get(ctx, &st));
@@ -471,22 +446,22 @@ static void test_managed_read_only(void **state) {
     spw_buf *b[N];
     for (int i = 0; i < N; i++) {
         assert_ok(spw_buf_create(ctx, MiB, SPW_BUF_READ_ONLY, &b[i]));
-        fill_buf(b[i], (uint8_t)(40 + i));
+        test_fill_buf(b[i], (uint8_t)(40 + i));
     }
     spw_stream s;
     assert_ok(spw_stream_create(ctx, &s));
     atomic_int gate, bad;
     atomic_init(&gate, 0);
     atomic_init(&bad, 0);
-    kcheck k[64];
+    test_kcheck k[64];
     int nk = 0;
     void *d;
 
     /* a use that is still running when the buffer is evicted */
     assert_ok(spw_acquire(b[0], s, SPW_ACCESS_READ, &d));
     assert_true(b[0]->adv_rm && b[0]->replica);
-    k[nk] = (kcheck){d, MiB, 40, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    k[nk] = (test_kcheck){d, MiB, 40, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &k[nk++]));
     assert_ok(spw_release(b[0], s));
     spw_stats s0 = stats_now(ctx);
     unsigned long adv0 = spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE);
@@ -523,8 +498,8 @@ static void test_managed_read_only(void **state) {
         s0 = stats_now(ctx);
         for (int i = 0; i < N; i++) {
             assert_ok(spw_acquire(b[i], rs, SPW_ACCESS_READ, &d));
-            k[nk] = (kcheck){d, MiB, (uint8_t)(40 + i), NULL, &bad};
-            assert_ok(spw_launch_host(ctx, rs, check_cb, &k[nk++]));
+            k[nk] = (test_kcheck){d, MiB, (uint8_t)(40 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, rs, test_kcheck_cb, &k[nk++]));
             assert_ok(spw_release(b[i], rs));
             if (r != 1) assert_ok(spw_stream_synchronize(ctx, rs));
             assert_held_ok(ctx);
@@ -546,8 +521,8 @@ static void test_managed_read_only(void **state) {
     assert_ok(spw_evict(b[1]));
     assert_ok(spw_acquire(b[1], s, SPW_ACCESS_READ, &d));
     atomic_store(&gate, 0);
-    k[nk] = (kcheck){d, MiB, 41, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    k[nk] = (test_kcheck){d, MiB, 41, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &k[nk++]));
     assert_ok(spw_release(b[1], s));
     assert_ok(spw_evict(b[1]));
     assert_true(b[1]->collapsing && b[1]->replica);
@@ -558,8 +533,8 @@ static void test_managed_read_only(void **state) {
     s1 = stats_now(ctx);
     assert_int_equal(s1.bytes_h2d.total - s0.bytes_h2d.total, 0);
     assert_int_equal(spw__emu_calls(be, SPW_CALL_MANAGED_ADVISE), adv0); /* advice in effect */
-    k[nk] = (kcheck){d, MiB, 41, NULL, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    k[nk] = (test_kcheck){d, MiB, 41, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &k[nk++]));
     assert_ok(spw_release(b[1], s));
     atomic_store(&gate, 1);
     assert_ok(spw_stream_synchronize(ctx, s));
@@ -625,11 +600,11 @@ static void test_managed_read_only(void **state) {
     assert_ok(spw_acquire(b[5], NULL, SPW_ACCESS_READ, &d));
     assert_ok(spw_release(b[5], NULL));
     assert_ok(spw_stream_synchronize(ctx, NULL));
-    fill_buf(b[5], 77);
+    test_fill_buf(b[5], 77);
     atomic_store(&gate, 0);
     assert_ok(spw_acquire(b[5], s, SPW_ACCESS_READ, &d));
-    k[nk] = (kcheck){d, MiB, 77, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    k[nk] = (test_kcheck){d, MiB, 77, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &k[nk++]));
     assert_ok(spw_release(b[5], s));
     assert_ok(spw_evict(b[5]));
     assert_true(b[5]->collapsing && !b[5]->replica);
@@ -641,15 +616,15 @@ static void test_managed_read_only(void **state) {
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_false(atomic_load(&bad));
     check_contents(b[5], 77);
-    fill_buf(b[5], 45);
+    test_fill_buf(b[5], 45);
 
     /* context destroy with a collapse pending (its use still running at the eviction) */
     for (int i = 0; i < N; i++)
         if (i != 2) check_contents(b[i], (uint8_t)(40 + i));
     atomic_store(&gate, 0);
     assert_ok(spw_acquire(b[4], s, SPW_ACCESS_READ, &d));
-    k[nk] = (kcheck){d, MiB, 44, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &k[nk++]));
+    k[nk] = (test_kcheck){d, MiB, 44, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &k[nk++]));
     assert_ok(spw_release(b[4], s));
     assert_ok(spw_evict(b[4]));
     assert_true(b[4]->collapsing);

@@ -16,33 +16,6 @@
 
 #define MiB ((size_t)1 << 20)
 
-typedef struct kcheck {
-    const uint8_t *p;
-    size_t n;
-    uint8_t v;
-    atomic_int *gate; /* when set: wait until it is nonzero (a use still running) */
-    atomic_int *bad;  /* set when a byte differs from v */
-} kcheck;
-
-static void check_cb(void *a) {
-    kcheck *k = a;
-    while (k->gate && !atomic_load(k->gate)) usleep(200);
-    for (size_t i = 0; i < k->n; i++)
-        if (k->p[i] != k->v) {
-            atomic_store(k->bad, 1);
-            return;
-        }
-}
-
-static void fill_buf(spw_buf *b, uint8_t v) {
-    size_t n = spw_buf_size(b);
-    uint8_t *tmp = malloc(n);
-    assert_non_null(tmp);
-    memset(tmp, v, n);
-    assert_ok(spw_buf_write(b, 0, tmp, n));
-    free(tmp);
-}
-
 static bool all_equal(const volatile uint8_t *p, size_t n, uint8_t v) {
     for (size_t i = 0; i < n; i++)
         if (p[i] != v) return false;
@@ -68,8 +41,8 @@ static void test_upload_overlaps_last_use(void **state) {
     spw_buf *a, *b;
     assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &a));
     assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b));
-    fill_buf(a, 0x11);
-    fill_buf(b, 0x22);
+    test_fill_buf(a, 0x11);
+    test_fill_buf(b, 0x22);
     spw_stream s;
     assert_ok(spw_stream_create(ctx, &s));
     atomic_int gate, bad;
@@ -77,8 +50,8 @@ static void test_upload_overlaps_last_use(void **state) {
     atomic_init(&bad, 0);
     void *da, *db;
     assert_ok(spw_acquire(a, s, SPW_ACCESS_READ, &da));
-    kcheck ka = {da, 4 * MiB, 0x11, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &ka));
+    test_kcheck ka = {da, 4 * MiB, 0x11, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &ka));
     assert_ok(spw_release(a, s));
 
     assert_ok(spw_acquire(b, s, SPW_ACCESS_READ, &db)); /* evicts a: 6 MiB hold one and a half */
@@ -92,8 +65,8 @@ static void test_upload_overlaps_last_use(void **state) {
     assert_true(all_equal((const volatile uint8_t *)da, 4 * MiB, 0x11)); /* a untouched under it */
     assert_int_equal(atomic_load(&gate), 0);
     atomic_store(&gate, 1);
-    kcheck kb = {db, 4 * MiB, 0x22, NULL, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &kb));
+    test_kcheck kb = {db, 4 * MiB, 0x22, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &kb));
     assert_ok(spw_release(b, s));
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_int_equal(atomic_load(&bad), 0);
@@ -104,8 +77,8 @@ static void test_upload_overlaps_last_use(void **state) {
     /* and back: a's upload evicts b the same way, from the other end of the room */
     atomic_store(&gate, 0);
     assert_ok(spw_acquire(b, s, SPW_ACCESS_READ, &db));
-    kb = (kcheck){db, 4 * MiB, 0x22, &gate, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &kb));
+    kb = (test_kcheck){db, 4 * MiB, 0x22, &gate, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &kb));
     assert_ok(spw_release(b, s));
     assert_ok(spw_acquire(a, s, SPW_ACCESS_READ, &da));
     lo = (uintptr_t)da;
@@ -114,8 +87,8 @@ static void test_upload_overlaps_last_use(void **state) {
     assert_true(becomes((const volatile uint8_t *)da, (size_t)(blo - lo), 0x11));
     assert_true(all_equal((const volatile uint8_t *)db, 4 * MiB, 0x22));
     atomic_store(&gate, 1);
-    ka = (kcheck){da, 4 * MiB, 0x11, NULL, &bad};
-    assert_ok(spw_launch_host(ctx, s, check_cb, &ka));
+    ka = (test_kcheck){da, 4 * MiB, 0x11, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &ka));
     assert_ok(spw_release(a, s));
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_int_equal(atomic_load(&bad), 0);

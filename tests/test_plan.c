@@ -482,23 +482,29 @@ static void check_n_cb(void *a) {
  * step, each upload evicting the buffer streamed before it. Prefetch hints are declined (one
  * for the buffer after next would displace the next: A B and D E are streamed back to back).
  * Every read sees its buffer's bytes. */
+enum { SLOT_NB = 8 };
+#define SLOT_L (4 * MiB)
+
+/* Eight read-only 4 MiB buffers filled with 0x30 + i under 18 MiB, pipeline SLOT in force (as the
+ * timing may pick it on a link). */
+static spw_ctx *slot_ctx(spw_buf *b[SLOT_NB]) {
+    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
+                            "vmm_large_page=2MiB");
+    ctx->engine->pol->early_max = PF_SLOT;
+    for (int i = 0; i < SLOT_NB; i++) {
+        assert_ok(spw_buf_create(ctx, SLOT_L, SPW_BUF_READ_ONLY, &b[i]));
+        test_fill_buf(b[i], (uint8_t)(0x30 + i));
+    }
+    return ctx;
+}
+
 static void split_with_one_slot(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
-    enum { NB = 8, STEPS = 8 };
-    const size_t L = 4 * MiB;
-    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
-                            "vmm_large_page=2MiB");
-    ctx->engine->pol->early_max = PF_SLOT; /* as the timing may pick it on a link */
+    enum { NB = SLOT_NB, STEPS = 8 };
+    const size_t L = SLOT_L;
     spw_buf *b[NB];
-    uint8_t *host = malloc(L);
-    assert_non_null(host);
-    for (int i = 0; i < NB; i++) {
-        assert_ok(spw_buf_create(ctx, L, SPW_BUF_READ_ONLY, &b[i]));
-        memset(host, 0x30 + i, L);
-        assert_ok(spw_buf_write(b[i], 0, host, L));
-    }
-    free(host);
+    spw_ctx *ctx = slot_ctx(b);
     atomic_int bad;
     atomic_init(&bad, 0);
     kcheck_n k[NB];
@@ -543,21 +549,11 @@ static void split_with_one_slot(void **state) {
  * The data stays right throughout. */
 static void slot_run(int how) {
     TEST_REQUIRE_EMU();
-    enum { NB = 8, STEPS = 10 };
-    const size_t L = 4 * MiB;
-    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
-                            "vmm_large_page=2MiB");
-    spw_policy *pol = ctx->engine->pol;
-    pol->early_max = PF_SLOT;
+    enum { NB = SLOT_NB, STEPS = 10 };
+    const size_t L = SLOT_L;
     spw_buf *b[NB];
-    uint8_t *host = malloc(L);
-    assert_non_null(host);
-    for (int i = 0; i < NB; i++) {
-        assert_ok(spw_buf_create(ctx, L, SPW_BUF_READ_ONLY, &b[i]));
-        memset(host, 0x40 + i, L);
-        assert_ok(spw_buf_write(b[i], 0, host, L));
-    }
-    free(host);
+    spw_ctx *ctx = slot_ctx(b);
+    spw_policy *pol = ctx->engine->pol;
     atomic_int bad;
     atomic_init(&bad, 0);
     kcheck_n k[NB];
@@ -568,7 +564,7 @@ static void slot_run(int how) {
         for (int i = 0; i < NB; i++) {
             void *d;
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            k[i] = (kcheck_n){d, L, (uint8_t)(0x40 + i), &bad};
+            k[i] = (kcheck_n){d, L, (uint8_t)(0x30 + i), &bad};
             assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
             assert_ok(spw_release(b[i], NULL));
             if (how == 0 && i == 2 && s >= 1) assert_ok(spw_evict(b[2]));

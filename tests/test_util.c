@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -66,4 +67,23 @@ char *test_summary(spw_ctx *ctx, int json) {
     assert_ok(json ? spw_summary_json(ctx, f) : spw_summary(ctx, f));
     fclose(f);
     return text;
+}
+
+void test_kcheck_cb(void *arg) {
+    test_kcheck *k = arg;
+    while (k->gate && !atomic_load(k->gate)) usleep(200);
+    for (size_t i = 0; i < k->n; i++)
+        if (k->p[i] != k->v) {
+            atomic_store(k->bad, 1);
+            return;
+        }
+}
+
+void test_fill_buf(spw_buf *b, uint8_t v) {
+    size_t n = spw_buf_size(b);
+    uint8_t *tmp = malloc(n);
+    assert_non_null(tmp);
+    memset(tmp, v, n);
+    assert_ok(spw_buf_write(b, 0, tmp, n));
+    free(tmp);
 }

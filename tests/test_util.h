@@ -44,6 +44,19 @@ spw_stats test_stats(spw_ctx *ctx);
  * (spw_summary_json). malloc'd; fails the test on error. */
 char *test_summary(spw_ctx *ctx, int json);
 
+/* A host function (spw_launch_host) that checks n bytes at p all read v, setting *bad where one
+ * does not; with `gate` set it first waits until *gate is nonzero (a use still running). */
+typedef struct test_kcheck {
+    const uint8_t *p;
+    size_t n;
+    uint8_t v;
+    _Atomic int *gate;
+    _Atomic int *bad;
+} test_kcheck;
+void test_kcheck_cb(void *arg);
+/* Fill buffer b's contents with v (spw_buf_write). */
+void test_fill_buf(spw_buf *b, uint8_t v);
+
 /* xorshift PRNG, deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
     uint64_t x = *s;
