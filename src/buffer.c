@@ -513,7 +513,8 @@ spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict) {
 }
 
 spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b) {
-    if (!spw__pol_evictable(b)) return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is not evictable", (unsigned long long)b->id);
+    if (!spw__pol_evictable(b))
+        return spw__error(SPW_ERR_STATE, "evict: buffer #%llu is not evictable", (unsigned long long)b->id);
     return spw__res_evict_buf(ctx, b, false);
 }
 

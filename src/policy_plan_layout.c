@@ -1,8 +1,10 @@
 /*
  * The plan policy: where buffers should be. The start state of a newly learned plan (Belady's
- * cycle from an empty device, reached at once) and STATIC's fixed set (the expert's split found
- * from the plan). Both work from simulations and counts over the plan; the engine moves data only
- * through spw__engine_prefetch, from the policy's prefetch callback. Context lock held.
+ * cycle from an empty device, reached at once), the fixed set of STATIC and SLOT (the expert's
+ * split found from the plan) and SLOT's take-up of it (the rest of the room in one piece). They
+ * work from simulations and counts over the plan; the engine moves data only through
+ * spw__engine_prefetch, spw__engine_evict and spw__engine_stream_room, from the policy's prefetch
+ * callback. Context lock held.
  */
 #include <stdlib.h>
 
@@ -159,11 +161,11 @@ static void fix_key(spw_policy *p, uint64_t key) {
 
 /* Choose the fixed set for the current plan, as an expert places a static split: room for two
  * of the largest streamed buffers is kept (SLOT: one and a quarter); buffers used more than once
- * a step are fixed first
- * (streamed, they would cross the link more than once); the rest, in order of first use, are
- * fixed while the fixed bytes stay within their share of the bytes seen so far, which spreads
- * them evenly over the step (layer l of N is fixed iff floor((l+1)k/N) > floor(lk/N) when sizes
- * are equal), so that work on fixed buffers hides each streamed transfer. */
+ * a step are fixed first (streamed, they would cross the link more than once); the rest, in
+ * order of first use, are fixed while the fixed bytes stay within their share of the bytes seen
+ * so far, which spreads them evenly over the step (layer l of N is fixed iff
+ * floor((l+1)k/N) > floor(lk/N) when sizes are equal), so that work on fixed buffers hides each
+ * streamed transfer. */
 void spw__plan_choose_fixed(spw_policy *p, int mode) {
     spw__plan_clear_fixed(p);
     if (!p->index || !p->nplan) return;
@@ -202,7 +204,6 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
         }
     }
 }
-
 
 bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
     bool missing = false;

@@ -201,9 +201,10 @@ static spw_status evict_next(spw_ctx *ctx, size_t need, spw_buf *incoming, int f
 }
 
 /* Enqueue the waits the H2D stream still owes for victims of an upload (their bytes served
- * another block, or none): before their events can be destroyed or recorded again. A failure
- * leaves them owed, still safe (the arenas settle before any other reuse), so it is not
- * reported. */
+ * another block, or none), so that they are not left waiting on events their buffers record
+ * again. Only after a success: a failure leaves them owed, which is still safe (the arenas settle
+ * before any other reuse, a buffer's destroy before its events go), so it is not reported; the
+ * failure paths of the caller skip it, keeping their own message. */
 static void settle_owed(spw_ctx *ctx) {
     if (spw__arena_settle(ctx->small) || spw__arena_settle(ctx->large)) spw__error_clear();
 }
@@ -289,10 +290,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     e->owe_waits = upload && e->streams_ok;
     st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
     e->owe_waits = false;
-    if (st) {
-        settle_owed(ctx);
-        return st;
-    }
+    if (st) return st;
     size_t size = spw__block_size(blk);
     spw__stat_add(&ctx->stats.live, (int64_t)size);
     spw__stat_add(&ctx->stats.cached, -(int64_t)size);
@@ -307,7 +305,6 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
         for (int i = 0; i < nw; i++) spw__arena_owe(a, &w[i], e->h2d); /* those not enqueued, at least */
         release_block(ctx, b); /* on dev_s: after whatever part of the upload was enqueued */
         b->dev_rec = b->dev_touched = false;
-        settle_owed(ctx);
         return st;
     }
     settle_owed(ctx);
