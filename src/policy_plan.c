@@ -25,8 +25,9 @@
  * it at this point in at least two consecutive steps.
  *
  * Where buffers should be is worked out in policy_plan_layout.c: the start state of the first
- * plan (Belady's cycle from an empty device, moved to once) and STATIC's fixed set. Which
- * pipeline runs (no prefetch, the double buffer, STATIC) is chosen here by timing steps.
+ * plan (Belady's cycle from an empty device, moved to once) and the fixed set of STATIC and
+ * SLOT. Which pipeline runs (no prefetch, the double buffer, STATIC, SLOT) is chosen here by
+ * timing steps, and SLOT is left here when its room does not hold.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +37,7 @@
 
 _Thread_local int spw__plan_hash_oom;
 
-/* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC). */
+/* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC, PF_SLOT). */
 static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC, PF_SLOT};
 
 /* Pipelines with a fixed set. */
@@ -452,8 +453,8 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     return !(d != FAR && mode == SPW_ACCESS_WRITE);
 }
 
-/* SLOT's fixed set keeps being displaced: take the fastest other pipeline of the timing (the
- * first listed when nothing was timed). */
+/* SLOT's premise keeps breaking (SLOT_BROKEN_OF_8): take the fastest other pipeline of the
+ * timing (the first listed when nothing was timed). */
 static void leave_slot(spw_policy *p) {
     int best = -1;
     for (int i = 0; i < N_TRIALS; i++)
@@ -539,7 +540,7 @@ static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream
 static const char *pipeline_name(int mode) {
     return mode == PF_OFF      ? "no prefetch"
            : mode == PF_STATIC ? "static split"
-           : mode == PF_SLOT   ? "split, one slot"
+           : mode == PF_SLOT   ? "split with one slot"
            : mode == 0         ? "double buffer"
                                : "early prefetch";
 }
@@ -564,7 +565,7 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
                  (double)p->trial_ns[0] / per_step, (double)p->trial_ns[1] / per_step,
                  (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step,
-                 p->slot_left ? "; the split with one slot was left: its fixed set did not hold" : "");
+                 p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }

@@ -109,7 +109,7 @@ struct spw_policy {
     uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */
     bool slot_step_broken;          /* SLOT: a take-up since the current step began */
     int64_t trims_seen;             /* the context's trim_syncs when the current step began */
-    bool slot_left;                 /* SLOT was chosen, then left (its fixed set did not hold) */
+    bool slot_left;                 /* SLOT was chosen, then left (its room did not hold) */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
