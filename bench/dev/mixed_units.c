@@ -1,0 +1,65 @@
+/*
+ * Device-memory trims a step under each plan pipeline, for units of two sizes on the emu backend:
+ * 32 layers of 13 MiB + 16 KiB between two 7.8 MiB embeddings (a Llama-shaped model's 416.02 and
+ * 250 MiB, scaled by 1/32), 2 MiB pages. Each trim synchronizes the streams; on the H200 the
+ * split with one slot trimmed about twice a decode step for the real model. A development probe
+ * (internal headers, emu only), not a test or a benchmark of record:
+ *   gcc -std=gnu11 -O1 -D_GNU_SOURCE -Isrc -Iinclude -I/usr/local/cuda/include \
+ *       bench/dev/mixed_units.c build/libspillway_static.a -L/usr/local/cuda/lib64 -lcudart \
+ *       -lpthread -lz -lm -ldl -Wl,-rpath,/usr/local/cuda/lib64 -o /tmp/mixed_units
+ *   /tmp/mixed_units BUDGET MODE    (e.g. 192MiB -3; MODE: -1 no prefetch, 0 double buffer,
+ *                                    -2 static split, -3 split with one slot)
+ * Prints per step the trims, the bytes uploaded so far, the fixed set's size and the pipeline.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "engine.h"
+#include "policy_plan.h"
+
+#define MiB ((size_t)1 << 20)
+
+int main(int argc, char **argv) {
+    const char *budget = argc > 1 ? argv[1] : "192MiB";
+    int mode = argc > 2 ? atoi(argv[2]) : PF_SLOT;
+    char conf[256];
+    snprintf(conf, sizeof conf, "backend=emu,budget=%s,policy=plan,prefetch=on,prefetch_early=0,vmm=on,"
+                                "vmm_large_page=2MiB", budget);
+    spw_config *cfg = NULL;
+    spw_ctx *ctx = NULL;
+    if (spw_config_create(&cfg) || spw_config_parse(cfg, conf) || spw_ctx_create(cfg, &ctx)) {
+        fprintf(stderr, "mixed_units: %s\n", spw_last_error());
+        return 1;
+    }
+    spw_config_destroy(cfg);
+    ctx->engine->pol->early_max = mode; /* as the timing may pick it */
+    enum { N = 34 };
+    const size_t L = 13 * MiB + 16384, E = 8 * MiB - 192 * 1024;
+    spw_buf *b[N];
+    spw_stream s;
+    for (int i = 0; i < N; i++)
+        if (spw_buf_create(ctx, (i == 0 || i == N - 1) ? E : L, SPW_BUF_READ_ONLY, &b[i])) return 1;
+    if (spw_stream_create(ctx, &s)) return 1;
+    int64_t t0 = 0;
+    for (int step = 0; step < 30; step++) {
+        if (spw_step_begin(ctx)) return 1;
+        for (int i = 0; i < N; i++) {
+            void *d;
+            if (spw_acquire(b[i], s, SPW_ACCESS_READ, &d) || spw_release(b[i], s)) {
+                fprintf(stderr, "mixed_units: %s\n", spw_last_error());
+                return 1;
+            }
+        }
+        spw_stats x;
+        if (spw_step_end(ctx) || spw_stream_synchronize(ctx, s) || spw_stats_get(ctx, &x)) return 1;
+        int fixed = 0;
+        for (int i = 0; i < N; i++) fixed += kb_of(b[i])->fixed;
+        printf("step %2d trims %3lld uploaded %6lld MiB fixed %2d pipeline %d\n", step,
+               (long long)(x.trim_syncs.total - t0), (long long)(x.bytes_h2d.total / MiB), fixed,
+               ctx->engine->pol->early_max);
+        t0 = x.trim_syncs.total;
+    }
+    for (int i = 0; i < N; i++) spw_buf_destroy(b[i]);
+    spw_stream_destroy(ctx, s);
+    return spw_ctx_destroy(ctx) != SPW_OK;
+}
