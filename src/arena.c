@@ -214,13 +214,24 @@ static size_t owed_in(const spw_arena *a, const spool *p, uintptr_t lo, uintptr_
     return n;
 }
 
+/* Remember that stream s's pool owes a wait on ev for [lo, hi); false (nothing done) when the
+ * table is full or the pool cannot be had. */
+static bool owed_add(spw_arena *a, spw_stream s, uintptr_t lo, uintptr_t hi, spw_event ev) {
+    spool *p = a->nowed < SPW_ARENA_OWED_MAX ? pool_get(a, s, true) : NULL;
+    if (p) a->owed[a->nowed++] = (owed){lo, hi, ev, p};
+    return p != NULL;
+}
+
+static void owed_drop(spw_arena *a, int i) { a->owed[i] = a->owed[--a->nowed]; }
+
 /* Enqueue owed wait i (on the host where the stream wait fails, or where the stream is gone)
  * and drop it. On failure it stays owed. */
 static spw_status settle_one(spw_arena *a, int i) {
     owed *o = &a->owed[i];
-    spw_status st = o->pool->retired ? SPW_ERR_STATE : a->be->ops->stream_wait(a->be, o->pool->stream, o->ev);
-    if (st && (st = a->be->ops->event_sync(a->be, o->ev))) return st;
-    a->owed[i] = a->owed[--a->nowed];
+    spw_status st = o->pool->retired ? a->be->ops->event_sync(a->be, o->ev)
+                                     : spw__backend_order_after(a->be, o->pool->stream, o->ev);
+    if (st) return st;
+    owed_drop(a, i);
     return SPW_OK;
 }
 
@@ -234,21 +245,17 @@ spw_status spw__arena_settle(spw_arena *a) {
 
 void spw__arena_forget_event(spw_arena *a, spw_event ev) {
     for (int i = a->nowed; i-- > 0;)
-        if (a->owed[i].ev == ev) a->owed[i] = a->owed[--a->nowed];
+        if (a->owed[i].ev == ev) owed_drop(a, i);
 }
 
 spw_status spw__arena_free_after(spw_arena *a, spw_block *b, spw_stream s, spw_event ev) {
-    spool *p = a->nowed < SPW_ARENA_OWED_MAX ? pool_get(a, s, true) : NULL;
-    if (!p) return SPW_ERR_UNSUPPORTED;
-    a->owed[a->nowed++] = (owed){b->addr, b->addr + b->size, ev, p};
-    free_coalesce(a, b, p);
+    if (!owed_add(a, s, b->addr, b->addr + b->size, ev)) return SPW_ERR_UNSUPPORTED;
+    free_coalesce(a, b, a->owed[a->nowed - 1].pool);
     return SPW_OK;
 }
 
 void spw__arena_owe(spw_arena *a, const spw_arena_wait *w, spw_stream s) {
-    spool *p = a->nowed < SPW_ARENA_OWED_MAX ? pool_get(a, s, true) : NULL;
-    if (p) a->owed[a->nowed++] = (owed){w->lo, w->hi, w->ev, p};
-    else a->be->ops->event_sync(a->be, w->ev); /* no room to remember it: wait now */
+    if (!owed_add(a, s, w->lo, w->hi, w->ev)) a->be->ops->event_sync(a->be, w->ev); /* wait now */
 }
 
 /* ---- cache reuse ---- */
@@ -548,7 +555,7 @@ spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, sp
         owed *o = &a->owed[i];
         if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
         w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
-        if (o->lo >= lo && o->hi <= hi) a->owed[i] = a->owed[--a->nowed]; /* wholly passed on */
+        if (o->lo >= lo && o->hi <= hi) owed_drop(a, i); /* wholly passed on */
     }
     *out = b;
     return SPW_OK;
@@ -574,7 +581,7 @@ spw_status spw__arena_retire_stream(spw_arena *a, spw_stream s) {
         if (a->owed[i].pool != p) continue;
         spw_status st = a->be->ops->event_sync(a->be, a->owed[i].ev);
         if (st) return st;
-        a->owed[i] = a->owed[--a->nowed];
+        owed_drop(a, i);
     }
     for (int i = 0; i < NBINS; i++) {
         while (p->bins[i]) {

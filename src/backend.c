@@ -13,6 +13,11 @@ const char *spw__call_name(spw_call call) {
     return call_names[call];
 }
 
+spw_status spw__backend_order_after(spw_backend *b, spw_stream s, spw_event e) {
+    spw_status st = b->ops->stream_wait(b, s, e);
+    return st ? b->ops->event_sync(b, e) : SPW_OK;
+}
+
 #ifndef SPW_HAVE_CUDA
 /* Without the CUDA toolkit there is no cuda backend: creating one fails like a machine without a
  * device, so `auto` falls back to emu and `backend=cuda` gets a message saying why. */

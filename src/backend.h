@@ -157,6 +157,10 @@ spw_status spw__backend_cuda_create(const spw_backend_params *p, spw_backend **o
 /* 1 if a CUDA device is usable; never fails loudly. */
 int spw__backend_cuda_available(void);
 
+/* Order stream s after event e: s waits on it, or, where that cannot be enqueued, the host
+ * waits for it. */
+spw_status spw__backend_order_after(spw_backend *b, spw_stream s, spw_event e);
+
 /* ---- emu only: fault injection and inspection (tests) ---- */
 
 /* Fail the nth call (1-based, counted from now) of kind `call`; persistent: that call and every

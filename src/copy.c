@@ -160,8 +160,7 @@ spw_status spw__copy_upload_ordered(spw_ctx *ctx, spw_buf *b, const spw_arena_wa
         if (i < m) at = owe[i].hi;
     }
     for (int i = 0; i < nw && !st; i++) {
-        st = OPS(ctx)->stream_wait(BE(ctx), e->h2d, w[i].ev);
-        if (st) st = OPS(ctx)->event_sync(BE(ctx), w[i].ev); /* the host waits instead */
+        st = spw__backend_order_after(BE(ctx), e->h2d, w[i].ev);
     }
     for (int i = 0; i < m && !st; i++)
         if (!(st = copy_piece(ctx, b, owe[i].lo, owe[i].hi - owe[i].lo))) enqueued = true;

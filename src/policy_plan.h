@@ -133,9 +133,8 @@ size_t spw__plan_largest(const spw_policy *p);
 double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods);
 /* Move to the start state of a newly learned plan (from the policy's prefetch callback). */
 void spw__plan_rebase(spw_policy *p, spw_ctx *ctx);
-/* STATIC and SLOT: mark the fixed set for the current plan, leaving `room` bytes besides it for
- * the streamed buffers (a function of the largest, see spw__plan_stream_room) / unmark every
- * buffer. */
+/* STATIC and SLOT (`mode`): mark the fixed set for the current plan, leaving room beside it for
+ * the streamed buffers (two of the largest; SLOT: one and a quarter) / unmark every buffer. */
 void spw__plan_choose_fixed(spw_policy *p, int mode);
 /* SLOT: when a fixed buffer is not resident, make the fixed set resident and the room left one
  * piece of free device memory (the engine trims and maps it; the streams are synchronized once). */

@@ -211,17 +211,16 @@ bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
     HASH_ITER(hh, p->by_key, k, tmp) missing |= k->fixed && !spw__pol_resident(k->buf);
     if (!missing) return false;
     /* the fixed set in (victims outside it), everything else out, then the room in one piece */
+    spw_status st = SPW_OK;
     p->taking_up = true;
     HASH_ITER(hh, p->by_key, k, tmp) {
-        if (!k->fixed || spw__pol_resident(k->buf)) continue;
-        spw_status st = spw__engine_prefetch(ctx, k->buf, 1);
-        if (st) {
-            p->taking_up = false;
-            spw__error_clear();
-            return true; /* the room stays as it is; the next step boundary tries again */
-        }
+        if (k->fixed && !spw__pol_resident(k->buf) && (st = spw__engine_prefetch(ctx, k->buf, 1))) break;
     }
     p->taking_up = false;
+    if (st) {
+        spw__error_clear();
+        return true; /* the room stays as it is; the next step boundary tries again */
+    }
     for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b)) {
         kbuf *kb = kb_of(b);
         if ((!kb || !kb->fixed) && spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b))

@@ -462,26 +462,6 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
 
 
 
-typedef struct kcheck_n {
-    const uint8_t *d;
-    size_t n;
-    uint8_t want;
-    atomic_int *bad;
-} kcheck_n;
-
-static void check_n_cb(void *a) {
-    kcheck_n *k = a;
-    for (size_t i = 0; i < k->n; i += 4093)
-        if (k->d[i] != k->want) atomic_store(k->bad, 1);
-    if (k->d[k->n - 1] != k->want) atomic_store(k->bad, 1);
-}
-
-/* SLOT keeps one buffer of room and a quarter for the streamed buffers instead of two, so one
- * more is fixed. Eight 4 MiB buffers read in order under 18 MiB: STATIC fixes 2 and streams 6
- * a step; SLOT fixes 3 (spread: C F H), takes up the 6 MiB left as one piece, and streams 5 a
- * step, each upload evicting the buffer streamed before it. Prefetch hints are declined (one
- * for the buffer after next would displace the next: A B and D E are streamed back to back).
- * Every read sees its buffer's bytes. */
 enum { SLOT_NB = 8 };
 #define SLOT_L (4 * MiB)
 
@@ -498,6 +478,12 @@ static spw_ctx *slot_ctx(spw_buf *b[SLOT_NB]) {
     return ctx;
 }
 
+/* SLOT keeps one buffer of room and a quarter for the streamed buffers instead of two, so one
+ * more is fixed. Eight 4 MiB buffers read in order under 18 MiB: STATIC fixes 2 and streams 6
+ * a step; SLOT fixes 3 (spread: C F H), takes up the 6 MiB left as one piece, and streams 5 a
+ * step, each upload evicting the buffer streamed before it. Prefetch hints are declined (one
+ * for the buffer after next would displace the next: A B and D E are streamed back to back).
+ * Every read sees its buffer's bytes. */
 static void split_with_one_slot(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -507,7 +493,7 @@ static void split_with_one_slot(void **state) {
     spw_ctx *ctx = slot_ctx(b);
     atomic_int bad;
     atomic_init(&bad, 0);
-    kcheck_n k[NB];
+    test_kcheck k[NB];
     int64_t h0 = 0;
     unsigned long c0 = 0;
     for (int s = 0; s < STEPS; s++) {
@@ -521,8 +507,8 @@ static void split_with_one_slot(void **state) {
             /* a hint for the buffer after next, as bench stream gives */
             assert_ok(spw_prefetch(b[(i + 2) % NB], NULL));
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            k[i] = (kcheck_n){d, L, (uint8_t)(0x30 + i), &bad};
-            assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
+            k[i] = (test_kcheck){d, L, (uint8_t)(0x30 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k[i]));
             assert_ok(spw_release(b[i], NULL));
         }
         assert_ok(spw_step_end(ctx));
@@ -556,7 +542,7 @@ static void slot_run(int how) {
     spw_policy *pol = ctx->engine->pol;
     atomic_int bad;
     atomic_init(&bad, 0);
-    kcheck_n k[NB];
+    test_kcheck k[NB];
     int slot_steps = 0;
     for (int s = 0; s < STEPS; s++) {
         assert_ok(spw_step_begin(ctx));
@@ -564,8 +550,8 @@ static void slot_run(int how) {
         for (int i = 0; i < NB; i++) {
             void *d;
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            k[i] = (kcheck_n){d, L, (uint8_t)(0x30 + i), &bad};
-            assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &k[i]));
+            k[i] = (test_kcheck){d, L, (uint8_t)(0x30 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k[i]));
             assert_ok(spw_release(b[i], NULL));
             if (how == 0 && i == 2 && s >= 1) assert_ok(spw_evict(b[2]));
             if (i == 2 && (how == 1 || (how == 2 && s == 4))) ctx->stats.trim_syncs.total++;

@@ -56,6 +56,10 @@ typedef struct bs_run { /* one spillway run (one policy) */
     double *layer_ms;           /* --layer-times: each product's start after its pass's start */
 } bs_run;
 
+/* Activation buffers every run holds on the device during its timed passes (input, two
+ * ping-pong): the spillway runs allocate them from the budget, the static split counts them. */
+#define BS_ACT_BUFFERS 3
+
 typedef struct bench {
     bs_opts o;
     bool gpu;

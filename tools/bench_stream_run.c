@@ -229,7 +229,7 @@ typedef struct run_state {
 
 /* Half the model, plus room for the activations (the small-request arena maps 2 MiB pages). */
 static uint64_t default_budget(const bench *B) {
-    return B->model_bytes / 2 + SPW_ALIGN_UP(3 * B->act_bytes, 2 * SPW_MiB);
+    return B->model_bytes / 2 + SPW_ALIGN_UP(BS_ACT_BUFFERS * B->act_bytes, 2 * SPW_MiB);
 }
 
 /* Under LRU a layer prefetched d products ahead ages from its prefetch, so it outlives the layers
@@ -238,7 +238,7 @@ static uint64_t default_budget(const bench *B) {
  * prefetched earlier, before its use, and every layer crosses the link twice. So the depth is
  * capped at (slots - 1) / 2 (15 slots at 2 GiB of 128 MiB layers: 7). */
 static long effective_prefetch(const bench *B) {
-    uint64_t acts = SPW_ALIGN_UP(3 * B->act_bytes, 2 * SPW_MiB);
+    uint64_t acts = SPW_ALIGN_UP(BS_ACT_BUFFERS * B->act_bytes, 2 * SPW_MiB);
     uint64_t slots = B->budget > acts ? (B->budget - acts) / B->layer_bytes : 0;
     long cap = slots >= 1 ? (long)((slots - 1) / 2) : 0;
     return B->o.prefetch < cap ? B->o.prefetch : cap;

@@ -7,12 +7,12 @@
  * loop does. No library code is involved: plain CUDA, the same cuBLAS products as every run.
  *
  * What fits: everything the split holds on the device during a pass counts against the same
- * budget as the spillway runs: (k + slots) layers + the three activation buffers the spillway runs
- * hold during their timed passes (input, two ping-pong). The expert tries every k that fits, and for each
- * two placements of the resident layers: a prefix (layers 0..k-1) and spread evenly (so the link
- * works during runs of resident layers); each candidate is timed for SEARCH_PASSES passes
- * (median after the first) and the fastest is then timed like the spillway runs and checked
- * bitwise against the all-resident reference.
+ * budget as the spillway runs: (k + slots) layers + the BS_ACT_BUFFERS activation buffers the
+ * spillway runs hold during their timed passes (input, two ping-pong). The expert tries every k
+ * that fits, and for each two placements of the resident layers: a prefix (layers 0..k-1) and
+ * spread evenly (so the link works during runs of resident layers); each candidate is timed for
+ * SEARCH_PASSES passes (median after the first) and the fastest is then timed like the spillway
+ * runs and checked bitwise against the all-resident reference.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -107,7 +107,8 @@ fail:
 static int split_setup(bench *B, split_state *S, long k, int spread, size_t budget) {
     long N = B->o.layers;
     long nslots = N - k < 2 ? N - k : 2;
-    if ((uint64_t)(k + nslots) * B->layer_bytes + 3 * (uint64_t)B->act_bytes > budget) return 1;
+    uint64_t need = (uint64_t)(k + nslots) * B->layer_bytes + BS_ACT_BUFFERS * (uint64_t)B->act_bytes;
+    if (need > budget) return 1;
     S->m = 0;
     for (long l = 0, r = 0; l < N; l++) {
         bool res = is_resident(l, k, N, spread);
@@ -161,7 +162,7 @@ int bs_static_split(bench *B, bs_run *r) {
         CK(cudaEventCreateWithFlags(&S.ready[s], cudaEventDisableTiming));
         CK(cudaEventCreateWithFlags(&S.freed[s], cudaEventDisableTiming));
     }
-    CK(cudaMalloc((void **)&S.act, 3 * ab));
+    CK(cudaMalloc((void **)&S.act, BS_ACT_BUFFERS * ab));
     CK(cudaMemcpy(S.act, B->x0, ab, cudaMemcpyHostToDevice));
 
     double best_ms = 0;
