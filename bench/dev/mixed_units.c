@@ -7,8 +7,9 @@
  *   gcc -std=gnu11 -O1 -D_GNU_SOURCE -Isrc -Iinclude -I/usr/local/cuda/include \
  *       bench/dev/mixed_units.c build/libspillway_static.a -L/usr/local/cuda/lib64 -lcudart \
  *       -lpthread -lz -lm -ldl -Wl,-rpath,/usr/local/cuda/lib64 -o /tmp/mixed_units
- *   /tmp/mixed_units BUDGET MODE    (e.g. 192MiB -3; MODE: -1 no prefetch, 0 double buffer,
- *                                    -2 static split, -3 split with one slot)
+ *   /tmp/mixed_units BUDGET MODE [LAYER_KIB EMB_KIB]
+ *     e.g. 192MiB -3; MODE: -1 no prefetch, 0 double buffer, -2 static split, -3 split with one
+ *     slot; layers of whole pages at 1/16 scale: 384MiB -3 26624 16000
  * Prints per step the trims, the bytes uploaded so far, the fixed set's size and the pipeline.
  */
 #include <stdio.h>
@@ -34,7 +35,8 @@ int main(int argc, char **argv) {
     spw_config_destroy(cfg);
     ctx->engine->pol->early_max = mode; /* as the timing may pick it */
     enum { N = 34 };
-    const size_t L = 13 * MiB + 16384, E = 8 * MiB - 192 * 1024;
+    const size_t L = argc > 3 ? (size_t)atol(argv[3]) * 1024 : 13 * MiB + 16384;
+    const size_t E = argc > 4 ? (size_t)atol(argv[4]) * 1024 : 8 * MiB - 192 * 1024;
     spw_buf *b[N];
     spw_stream s;
     for (int i = 0; i < N; i++)

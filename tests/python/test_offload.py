@@ -163,6 +163,8 @@ def test_large_units_are_mapped_in_large_pages():
     # a Llama layer and its embedding: 8 MiB pages round them up by 2.1%, 16 MiB ones by 3.3%
     assert spt._offload._large_page([416 * MiB + 16384, 250 * MiB]) == 8 * MiB
     assert spt._offload._large_page([416 * MiB + 16384] * 32 + [250 * MiB] * 2) == 8 * MiB
+    # the same with its norms in the shared unit of small tensors: 416 MiB is 13 pages of 32 MiB
+    assert spt._offload._large_page([416 * MiB] * 32 + [250 * MiB] * 2) == 32 * MiB
     assert spt._offload._large_page([128 * MiB] * 32) == 128 * MiB  # one physical allocation a unit
     assert spt._offload._large_page([4 * 1024 * MiB]) == 1024 * MiB  # the library's largest page
     off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
@@ -172,6 +174,45 @@ def test_large_units_are_mapped_in_large_pages():
     # to the budget, which 8 MiB pages could not do
     assert off.stats()["held"]["peak"] == 20 * MiB
     off.remove()
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)  # a 4 MiB weight with a 4 KiB bias
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def test_small_tensors_of_blocks_share_one_unit():
+    # Blocks holding large and small tensors: the small ones (bias, norm) of every block go to
+    # one unit, so each block's unit is its weight alone, a whole number of 4 MiB pages; a block
+    # of small tensors only stays whole. Outputs stay bitwise equal, also with backward.
+    torch.manual_seed(0)
+    m = nn.Sequential(*[NormedBlock(1024) for _ in range(4)], nn.Sequential(nn.Linear(8, 1024), nn.LayerNorm(1024)))
+    m = frozen(nn.Sequential(m[4], *m[:4]))
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 8)
+    off = spt.offload(m, budget="12MiB", **EMU)
+    sizes = {u.name: u.nbytes for u in off.units}
+    assert [sizes[f"{i}"] for i in range(1, 5)] == [4 * MiB] * 4
+    small = [u for u in off.units if u.name == "small tensors of the blocks"]
+    assert len(small) == 1 and len(small[0].entries) == 4 * 3  # bias, norm weight, norm bias
+    assert sizes["0"] == (8 * 1024 + 3 * 1024) * 4  # small tensors only: stays whole
+    assert spt._offload._large_page(sizes.values()) == 4 * MiB
+    for _ in range(3):
+        assert torch.equal(m(x), ref(x))
+    a = torch.randn(3, 8, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    m(a).square().sum().backward()
+    ref(b).square().sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    assert off.stats()["offload"]["acquires"] > 0
+    off.remove()
+    for name, t in ref.state_dict().items():
+        assert torch.equal(m.state_dict()[name], t), name
 
 
 def test_reuse_nesting_and_out_of_order():
@@ -419,7 +460,7 @@ def test_outputs_viewing_a_released_unit_are_copies(kind):
         got, want = m(step), ref(step)
         for g, w in zip(got, want):
             assert same(flat(g), flat(w))
-        ranges = [(p, p + u.nbytes) for u in off.units for p in u.views]
+        ranges = [(u.dev_at, u.dev_at + u.nbytes) for u in off.units if u.dev_at]
         assert ranges
         for t in flat(got):
             assert not any(lo <= t.data_ptr() < hi for lo, hi in ranges)

@@ -16,8 +16,9 @@ How it works, and the contracts it keeps:
   synchronously) and points each tensor's .data at a view of the device copy; the forward hook
   points them back at the host views and releases on the same stream. Acquisitions are counted
   per unit, so nested and repeated calls are safe. No host synchronization on the CUDA path.
-- Views are cached per (unit, device address): the arena tends to hand a unit the same address
-  again, and then an acquire costs one ctypes call plus a .data assignment per tensor.
+- Each tensor has one device tensor for the offload's life. When its unit comes back at the
+  same device address an acquire costs one ctypes call plus a .data assignment per tensor; at
+  a new address, also one storage over the unit and a Tensor.set_ per tensor.
 - One call of the top-level module is one plan step (step_begin/step_end around its forward),
   unless the caller marks steps with `with off.step():`.
 - Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
@@ -50,13 +51,17 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
-from ._units import _CudaMemory, _Entry, _Saved, _Unit, _align, _default_blocks, _module_names
+from ._units import _Entry, _Saved, _Unit, _align, _default_blocks, _module_names, _storage_at
 
 _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
+_SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
-_VIEW_CACHE = 256  # device addresses remembered per unit: views only, no memory (the arena reuses a few)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _large_page(sizes: Iterable[int]) -> int:
@@ -180,16 +185,18 @@ class Offload:
         needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
         hooked: List[nn.Module] = []
 
-        def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool) -> List[_Unit]:
+        def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool, small: Optional[_Unit] = None) -> List[_Unit]:
             used: List[_Unit] = []
             tensors = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse)
                        if id(t) not in trainable]
             tensors += [(n, t, True) for n, t in mod.named_buffers(recurse=recurse)
                         if t is not None]
+            if small is not None and not any(_nbytes(t) >= _SMALL for _, t, _ in tensors):
+                small = None  # a block of small tensors only stays whole
             for n, t, is_buf in tensors:
                 u = owner.get(id(t))
                 if u is None:
-                    u = unit
+                    u = small if small is not None and _nbytes(t) < _SMALL else unit
                     owner[id(t)] = u
                     u.add(_Entry(t, f"{prefix}.{n}" if prefix else n, is_buf))
                 if u not in used:
@@ -200,14 +207,22 @@ class Offload:
         for b in block_list:
             for m in b.modules():
                 in_block.add(id(m))
+        # The small tensors of blocks that also hold large ones (norms, biases) share one unit,
+        # which the top level holds for the whole step: a block of large tensors only is then a
+        # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
+        # so its upload spans fewer, fuller pages.
+        small = _Unit("small tensors of the blocks", -1)
         for b in block_list:
             u = _Unit(names.get(id(b), type(b).__name__), len(units))
-            used = claim(u, b, names.get(id(b), ""), True)
+            used = claim(u, b, names.get(id(b), ""), True, small)
             if u.entries:
                 units.append(u)
             if used and id(b) not in needs:
                 needs[id(b)] = used
                 hooked.append(b)
+        if small.entries:
+            small.index = len(units)
+            units.append(small)
         for m in module.modules():
             if id(m) in in_block:
                 continue
@@ -218,6 +233,10 @@ class Offload:
             if used and id(m) not in needs:
                 needs[id(m)] = used
                 hooked.append(m)
+        if small.entries:
+            top = needs.setdefault(id(module), [])
+            if small not in top:
+                top.append(small)
         if not units:
             raise InvalidArgument(
                 f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "
@@ -389,10 +408,11 @@ class Offload:
 
     # ------------------------------------------------------------------ hot path
     # Each block costs a pre-hook and a forward hook per forward, on the host, before its kernels
-    # are enqueued. So an acquire is one ctypes call (two on emu), a view lookup and one .data
-    # assignment per tensor, and a release the reverse: the functions are bound at offload(), a
-    # unit's (tensor, view) pairs are tuples built once per device address, and the hooks
-    # allocate nothing for a unit of parameters whose module returns one tensor.
+    # are enqueued. So an acquire is one ctypes call (two on emu), an address compare and one
+    # .data assignment per tensor, and a release the reverse: the functions are bound at
+    # offload(), a unit's (tensor, device tensor) pairs are built once and re-pointed when the
+    # unit moves, and the hooks allocate nothing for a unit of parameters whose module returns
+    # one tensor.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on
         CUDA (0 is the legacy default stream, passed as NULL), NULL on emu."""
@@ -406,22 +426,21 @@ class Offload:
     def _stream(self) -> Optional[int]:
         return self._raw_stream(self._dev_index) or None
 
-    def _views(self, u: _Unit, ptr: int) -> Tuple[torch.Tensor, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]:
-        """(a uint8 tensor over the unit at device address ptr, (entry tensor, its view) pairs)."""
-        hit = u.views.get(ptr)
-        if hit is not None:
-            return hit
+    def _point(self, u: _Unit, ptr: int) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
+        """u's (entry tensor, device tensor) pairs, the device tensors over u at address ptr.
+        A unit found at a new address costs one storage and one Tensor.set_ per entry; the
+        device tensors are the unit's own, so nothing is cached per address."""
+        if u.dev_at == ptr:
+            return u.dev_pairs
         self.view_builds += 1
-        with torch.inference_mode(False):  # cached views must be normal tensors, usable with autograd later
-            if self._emu:
-                base = torch.frombuffer((ctypes.c_uint8 * u.nbytes).from_address(ptr), dtype=torch.uint8)
-            else:
-                base = torch.as_tensor(_CudaMemory(ptr, u.nbytes), device=self.device)
-            pairs = tuple((e.tensor, self._typed(base, e.offset, e.nbytes, e.dtype, e.shape)) for e in u.entries)
-        if len(u.views) >= _VIEW_CACHE:
-            u.views.popitem(last=False)
-        hit = u.views[ptr] = (base, pairs)
-        return hit
+        with torch.inference_mode(False):  # normal tensors, usable with autograd later
+            if not u.dev_pairs:
+                u.dev_pairs = tuple((e.tensor, torch.empty(0, dtype=e.dtype, device=self.device)) for e in u.entries)
+            storage = _storage_at(ptr, u.nbytes, self.device)
+            for e, (_, d) in zip(u.entries, u.dev_pairs):
+                d.set_(storage, e.elem_offset, e.shape, e.stride)
+        u.dev_at = ptr
+        return u.dev_pairs
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
@@ -457,14 +476,14 @@ class Offload:
             return
         stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
-        hit = u.views.get(ptr)
-        if hit is None:
+        pairs = u.dev_pairs
+        if u.dev_at != ptr:
             try:
-                hit = self._views(u, ptr)
+                pairs = self._point(u, ptr)
             except BaseException:
                 self._c_release(u.handle, stream)
                 raise
-        for t, v in hit[1]:
+        for t, v in pairs:
             t.data = v
         if u.buffer_entries:
             u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
@@ -631,9 +650,9 @@ class Offload:
         stream = self._stream()
         ptr = self._acquire_raw(u, stream)
         try:
-            base, _ = self._views(u, ptr)
-            flat = base[s.offset:s.offset + s.span].view(s.dtype)
-            out = flat.as_strided(s.size, s.stride).clone()
+            storage = _storage_at(ptr, u.nbytes, self.device)
+            out = torch.empty(0, dtype=s.dtype, device=self.device)
+            out = out.set_(storage, s.offset // out.element_size(), s.size, s.stride).clone()
         finally:
             st = self._c_release(u.handle, stream)
         if st:
@@ -776,7 +795,8 @@ class Offload:
                 e.tensor.data = fresh
                 e.host_view = None
             u.host_pairs = ()
-            u.views.clear()
+            u.dev_pairs = ()
+            u.dev_at = 0
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)
         self._moved_trainable = []

@@ -1,11 +1,11 @@
 """The units spillway.torch.offload is made of: the tensors of a block or module packed into one
-buffer (_Unit, _Entry), device views of an acquired unit (_CudaMemory), records of tensors saved
-for backward (_Saved), and how the default blocks are found (_default_blocks). No spillway calls
-here: _offload.py moves the units.
+buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), records of
+tensors saved for backward (_Saved), and how the default blocks are found (_default_blocks). No
+spillway calls here: _offload.py moves the units.
 """
 from __future__ import annotations
 
-import collections
+import ctypes
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -20,7 +20,8 @@ def _align(n: int, a: int = _ALIGN) -> int:
 
 class _CudaMemory:
     """A device range exposed through __cuda_array_interface__ (version 2, no stream key):
-    torch.as_tensor wraps it without a copy, without reading a stream and without syncing."""
+    torch.as_tensor wraps it without a copy, without reading a stream and without syncing. Only
+    for a torch without torch._C._construct_storage_from_data_pointer (before 2.1)."""
 
     __slots__ = ("__cuda_array_interface__",)
 
@@ -34,11 +35,38 @@ class _CudaMemory:
         }
 
 
+_from_pointer = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+
+
+def _untyped(t: torch.Tensor) -> Any:
+    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
+
+
+def _storage_at(ptr: int, nbytes: int, device: torch.device) -> Any:
+    """A storage over nbytes of memory at ptr that it does not own: no copy, no sync, and no
+    driver call (torch.as_tensor of a __cuda_array_interface__ asks the driver which device a
+    pointer is on; this costs a few microseconds where that costs tens). A CPU device is the
+    emu backend, whose device memory is host memory."""
+    if _from_pointer is not None:
+        return _from_pointer(ptr, device, nbytes)
+    if device.type == "cpu":
+        return _untyped(torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8))
+    return _untyped(torch.as_tensor(_CudaMemory(ptr, nbytes), device=device))
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
 class _Entry:
     """One offloaded tensor: where it lives in its unit and how to restore it."""
 
     __slots__ = ("tensor", "name", "offset", "nbytes", "dtype", "shape", "orig_stride", "orig_device",
-                 "is_buffer", "host_view")
+                 "is_buffer", "host_view", "elem_offset", "stride")
 
     def __init__(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> None:
         self.tensor = tensor
@@ -51,13 +79,15 @@ class _Entry:
         self.orig_device = tensor.device
         self.is_buffer = is_buffer
         self.host_view: Optional[torch.Tensor] = None
+        self.elem_offset = 0  # offset in elements of dtype: offsets are aligned to _ALIGN
+        self.stride = _contiguous_stride(self.shape)  # packed contiguously
 
 
 class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
-                 "stream", "devptr", "versions", "host_pairs", "views")
+                 "stream", "devptr", "versions", "host_pairs", "dev_pairs", "dev_at")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -74,12 +104,14 @@ class _Unit:
         self.versions: List[Tuple[_Entry, int]] = []
         # (entry.tensor, its host view) for each entry: what release points the tensors back at
         self.host_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
-        # device address -> (a uint8 tensor over the whole unit, (entry.tensor, its view) pairs)
-        self.views: "collections.OrderedDict[int, Tuple[torch.Tensor, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]]" = \
-            collections.OrderedDict()
+        # (entry.tensor, its device tensor) for each entry: one device tensor per entry for the
+        # unit's life, pointed (Tensor.set_) at the unit's device address dev_at when it changes
+        self.dev_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self.dev_at = 0
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)
+        entry.elem_offset = entry.offset // entry.tensor.element_size()
         self.nbytes = entry.offset + entry.nbytes
         self.entries.append(entry)
         if entry.is_buffer:
@@ -89,7 +121,7 @@ class _Unit:
 class _Saved:
     """A tensor saved for backward that lay inside an acquired unit: enough to rebuild it."""
 
-    __slots__ = ("unit", "offset", "span", "dtype", "size", "stride")
+    __slots__ = ("unit", "offset", "dtype", "size", "stride")
 
     def __init__(self, unit: _Unit, offset: int, t: torch.Tensor) -> None:
         self.unit = unit
@@ -97,8 +129,6 @@ class _Saved:
         self.dtype = t.dtype
         self.size = tuple(t.size())
         self.stride = tuple(t.stride())
-        last = sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1 if t.numel() else 0
-        self.span = last * t.element_size()
 
 
 def _module_names(module: nn.Module) -> Dict[int, str]:
