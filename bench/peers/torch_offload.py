@@ -600,7 +600,7 @@ def c_call_profile(cfg, off, fn, passes=2):
     """Host time of each spw_acquire and spw_release call over `passes` extra passes (after the
     timed ones, so the wrappers' own cost is in no figure above): percentiles in us, and the
     share of the hooks' time spent inside them."""
-    calls = {"spw_acquire": [], "spw_release": []}
+    calls = {"spw_acquire": [], "spw_release": [], "re-point": []}
     orig = off._c_acquire, off._c_release
     clock = time.perf_counter_ns
 
@@ -615,12 +615,14 @@ def c_call_profile(cfg, off, fn, passes=2):
 
     h0 = off.hook_ns
     off._c_acquire, off._c_release = timed(orig[0], calls["spw_acquire"]), timed(orig[1], calls["spw_release"])
+    off._point = timed(off._point, calls["re-point"])  # a unit at a new device address
     try:
         for _ in range(passes):
             fn()
         sync(cfg)
     finally:
         off._c_acquire, off._c_release = orig
+        del off._point
     hook = off.hook_ns - h0
     res = {}
     for name, xs in calls.items():
@@ -631,6 +633,20 @@ def c_call_profile(cfg, off, fn, passes=2):
         res[name] = dict(n=len(xs), p50=q(0.5), p90=q(0.9), p99=q(0.99), max=xs[-1] / 1e3,
                          total_ms=sum(xs) / 1e6)
     res["hooks_total_ms"] = hook / 1e6
+    if cfg.profile:  # one more pass under cProfile: where the hooks' Python time goes
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        sync(cfg)
+        prof.disable()
+        text = io.StringIO()
+        st = pstats.Stats(prof, stream=text).sort_stats("tottime")
+        st.print_stats(30)
+        st.print_callees(r"_offload.py.*\((pre_hook|post_hook|_acquire|_acquire_raw|_release|_point|_top_forward)\)")
+        res["profile"] = text.getvalue()
     return res
 
 
@@ -878,6 +894,8 @@ def child_argv(args, workload, variant, ref_dir):
             "--spillway-options", args.spillway_options]
     if args.nondeterministic:
         argv.append("--nondeterministic")
+    if args.profile:
+        argv.append("--profile")
     return argv + (["--smoke"] if args.smoke else [])
 
 
@@ -931,6 +949,8 @@ def print_tables(rows, link_gbps, cfg_of):
                 parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"
                          f" ({c['total_ms']:.2f} ms)" for n, c in cc.items() if isinstance(c, dict)]
                 print(f"{'':<18}  C calls over 2 more passes: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms")
+                if cc.get("profile"):
+                    print(cc["profile"])
         if any(r.get("hook_us", 0) > 30 for r in group):
             print("  ! hook host time per acquire above 30 us")
 
@@ -962,6 +982,8 @@ def main():
     p.add_argument("--spillway-options", default="",
                    help="more options for the spillway rows' offload(): 'vmm=off,vmm_large_page=32MiB'")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds per variant process")
+    p.add_argument("--profile", action="store_true",
+                   help="spillway rows: one more pass under cProfile, its top functions printed")
     p.add_argument("--json", help="write all rows to this file")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the cpu: the control flow only")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -982,7 +1004,7 @@ def main():
             p.error(f"unknown variant {s!r}; known: {', '.join(VARIANTS)}")
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
 
-    cfg = types.SimpleNamespace(smoke=args.smoke, tokens=args.tokens, accel_tokens=args.accel_tokens,
+    cfg = types.SimpleNamespace(smoke=args.smoke, profile=args.profile, tokens=args.tokens, accel_tokens=args.accel_tokens,
                                 a_passes=args.passes, prefill_passes=args.prefill_passes,
                                 decode_passes=args.decode_passes, search_passes=args.search_passes,
                                 warmup=args.warmup, ref_dir=args.ref_dir)
