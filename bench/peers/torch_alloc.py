@@ -208,6 +208,8 @@ def resnet50():
 
 # ---------------------------------------------------------------- child: one process
 def child(a: dict) -> dict:
+    if a.get("cpus"):  # every process of a comparison on the same cores
+        os.sched_setaffinity(0, a["cpus"])
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -430,6 +432,15 @@ def collect(p: subprocess.Popen, timeout: float) -> dict:
     return json.loads(lines[-1][7:])
 
 
+def cpu_list(text: str) -> list:
+    """"2-5,8" -> [2, 3, 4, 5, 8]."""
+    out = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
 def gb(n) -> str:
     return f"{n / 1e9:.2f} GB" if n else "-"
 
@@ -458,6 +469,8 @@ def main() -> None:
                     "at the same time)")
     ap.add_argument("--cap-scale", type=float, default=0.5, help="C = static + scale x (default reserved - static)")
     ap.add_argument("--no-cap", action="store_true", help="skip the cap search")
+    ap.add_argument("--cpus", default="", help="run every process on these cores (e.g. 2-9): host-bound "
+                    "workloads (generation) then do not depend on where the scheduler puts each process")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, default allocator: checks this script")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -481,7 +494,7 @@ def main() -> None:
             results["skipped"][w] = "transformers is not importable"
             print(f"{w}: transformers is not importable here: not run", flush=True)
             continue
-        base = dict(workload=w, budget=args.budget, batch=DEFAULT_BATCH[w] if not args.smoke else 2,
+        base = dict(workload=w, budget=args.budget, cpus=cpu_list(args.cpus), batch=DEFAULT_BATCH[w] if not args.smoke else 2,
                     steps=steps, repeat_steps=args.repeat_steps, smoke=args.smoke, what="run", cap=0)
         if w == "llama":
             gen = 1 if args.smoke else max(1, args.gen_steps)
