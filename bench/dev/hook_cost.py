@@ -296,14 +296,19 @@ def components(a: argparse.Namespace) -> None:
         ("a Python no-op call (NoSync's stand-in)", per_call_ns("nop(1, None)", g)),
     ]
     if a.cuda:
-        g.update(raw=torch._C._cuda_getCurrentRawStream, mem=_units._CudaMemory, dev=torch.device(dev))
+        g.update(raw=torch._C._cuda_getCurrentRawStream)
         rows.append(("torch._C._cuda_getCurrentRawStream", per_call_ns("raw(0)", g)))
-        view = "torch.as_tensor(mem(xi.data_ptr(), 16), device=dev)[0:16].view(torch.float32).view(2, 2)"
-    else:
-        g.update(ct=ctypes)
-        view = ("torch.frombuffer((ct.c_uint8 * 16).from_address(xi.data_ptr()), dtype=torch.uint8)"
-                "[0:16].view(torch.float32).view(2, 2)")
-    rows.append(("a new device view (view cache miss), one tensor", per_call_ns(view, g, 5000)))
+    dv = torch.empty(0, device=dev)
+    g.update(at=_units._storage_at, dev=torch.device(dev), dv=dv)
+    rows.append(("storage over a unit at a new address", per_call_ns("at(xi.data_ptr(), 16, dev)", g, 20000)))
+    st = _units._storage_at(xi.data_ptr(), 16, torch.device(dev))
+    g.update(st=st)
+    rows.append(("Tensor.set_ of one tensor onto it", per_call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
+    with torch.inference_mode():
+        rows.append(("the same set_ inside inference mode", per_call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
+        rows.append(("t.data = v inside inference mode", per_call_ns("w.data = v1; w.data = v2", g) / 2))
+        rows.append(("enter + exit inference_mode(False) inside it",
+                     per_call_ns("with torch.inference_mode(False):\n    pass", g, 20000)))
     with torch.no_grad():
         plain = per_call_ns("lin(xi)", g, 20000)
         rows.append(("torch's dispatch of a no-op pre+post hook pair", per_call_ns("hooked(xi)", g, 20000) - plain))
