@@ -299,9 +299,10 @@ def components(a: argparse.Namespace) -> None:
         g.update(raw=torch._C._cuda_getCurrentRawStream)
         rows.append(("torch._C._cuda_getCurrentRawStream", per_call_ns("raw(0)", g)))
     dv = torch.empty(0, device=dev)
-    g.update(at=_units._storage_at, dev=torch.device(dev), dv=dv)
+    tdev = torch.device(dev, 0) if a.cuda else torch.device(dev)
+    g.update(at=_units._storage_at, dev=tdev, dv=dv)
     rows.append(("storage over a unit at a new address", per_call_ns("at(xi.data_ptr(), 16, dev)", g, 20000)))
-    st = _units._storage_at(xi.data_ptr(), 16, torch.device(dev))
+    st = _units._storage_at(xi.data_ptr(), 16, tdev)
     g.update(st=st)
     rows.append(("Tensor.set_ of one tensor onto it", per_call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
     with torch.inference_mode():

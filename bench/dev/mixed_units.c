@@ -9,11 +9,13 @@
  *       -lpthread -lz -lm -ldl -Wl,-rpath,/usr/local/cuda/lib64 -o /tmp/mixed_units
  *   /tmp/mixed_units BUDGET MODE [LAYER_KIB EMB_KIB]
  *     e.g. 192MiB -3; MODE: -1 no prefetch, 0 double buffer, -2 static split, -3 split with one
- *     slot; layers of whole pages at 1/16 scale: 384MiB -3 26624 16000
+ *     slot, auto: the policy's own trials on a link of 4 GB/s (about 55 GB/s scaled by 1/16); layers
+ *     of whole pages at 1/16 scale: 384MiB -3 26624 16000
  * Prints per step the trims, the bytes uploaded so far, the fixed set's size and the pipeline.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine.h"
 #include "policy_plan.h"
@@ -22,10 +24,11 @@
 
 int main(int argc, char **argv) {
     const char *budget = argc > 1 ? argv[1] : "192MiB";
-    int mode = argc > 2 ? atoi(argv[2]) : PF_SLOT;
+    bool tune = argc > 2 && !strcmp(argv[2], "auto");
+    int mode = argc > 2 && !tune ? atoi(argv[2]) : PF_SLOT;
     char conf[256];
-    snprintf(conf, sizeof conf, "backend=emu,budget=%s,policy=plan,prefetch=on,prefetch_early=0,vmm=on,"
-                                "vmm_large_page=2MiB", budget);
+    snprintf(conf, sizeof conf, "backend=emu,budget=%s,policy=plan,prefetch=on,vmm=on,vmm_large_page=2MiB,%s",
+             budget, tune ? "emu_link_gbps=4" : "prefetch_early=0");
     spw_config *cfg = NULL;
     spw_ctx *ctx = NULL;
     if (spw_config_create(&cfg) || spw_config_parse(cfg, conf) || spw_ctx_create(cfg, &ctx)) {
@@ -33,7 +36,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     spw_config_destroy(cfg);
-    ctx->engine->pol->early_max = mode; /* as the timing may pick it */
+    if (!tune) ctx->engine->pol->early_max = mode; /* as the timing may pick it */
     enum { N = 34 };
     const size_t L = argc > 3 ? (size_t)atol(argv[3]) * 1024 : 13 * MiB + 16384;
     const size_t E = argc > 4 ? (size_t)atol(argv[4]) * 1024 : 8 * MiB - 192 * 1024;

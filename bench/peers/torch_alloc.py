@@ -503,7 +503,10 @@ def main() -> None:
         for r in range(max(1, args.rounds)):  # one process at a time: the step times are compared
             got = {}
             for alloc in (allocs if r % 2 == 0 else allocs[::-1]):
-                got[alloc] = collect(spawn(dict(base, alloc=alloc)), 150)
+                got[alloc] = g = collect(spawn(dict(base, alloc=alloc)), 150)
+                # one line per process, so that a run cut by its time limit still shows them
+                print(f"{w:6s} round {r + 1} {alloc:7s} ok {g.get('ok')} step {1e3 * (g.get('step_s') or 0):.2f} ms "
+                      f"per step {[round(x, 2) for x in g.get('step_ms') or []]}", flush=True)
             rounds.append(got)
         got = rounds[0]
         ref = got["default"]
