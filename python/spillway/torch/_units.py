@@ -43,10 +43,10 @@ def _untyped(t: torch.Tensor) -> Any:
 
 
 def _storage_at(ptr: int, nbytes: int, device: torch.device) -> Any:
-    """A storage over nbytes of memory at ptr that it does not own: no copy, no sync, and no
-    driver call (torch.as_tensor of a __cuda_array_interface__ asks the driver which device a
-    pointer is on; this costs a few microseconds where that costs tens). A CPU device is the
-    emu backend, whose device memory is host memory."""
+    """A storage over nbytes of memory at ptr that it does not own: no copy, no sync, and (with
+    torch 2.1 or later) no driver call, where torch.as_tensor of a __cuda_array_interface__ asks
+    the driver which device the pointer is on. A CPU device is the emu backend, whose device
+    memory is host memory."""
     if _from_pointer is not None:
         return _from_pointer(ptr, device, nbytes)
     if device.type == "cpu":
