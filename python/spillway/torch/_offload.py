@@ -51,17 +51,12 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
-from ._units import _Entry, _Saved, _Unit, _align, _default_blocks, _module_names, _storage_at
+from ._units import _Saved, _Unit, _align, _default_blocks, _module_names, _plan_units, _storage_at
 
 _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-_SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _large_page(sizes: Iterable[int]) -> int:
@@ -180,64 +175,7 @@ class Offload:
         for pname, p in module.named_parameters():
             if p.requires_grad:
                 trainable[id(p)] = (pname, p)
-        owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
-        units: List[_Unit] = []
-        needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
-        hooked: List[nn.Module] = []
-
-        def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool,
-                  small: Optional[_Unit] = None) -> List[_Unit]:
-            used: List[_Unit] = []
-            tensors = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse)
-                       if id(t) not in trainable]
-            tensors += [(n, t, True) for n, t in mod.named_buffers(recurse=recurse)
-                        if t is not None]
-            if small is not None and not any(_nbytes(t) >= _SMALL for _, t, _ in tensors):
-                small = None  # a block of small tensors only stays whole
-            for n, t, is_buf in tensors:
-                u = owner.get(id(t))
-                if u is None:
-                    u = small if small is not None and _nbytes(t) < _SMALL else unit
-                    owner[id(t)] = u
-                    u.add(_Entry(t, f"{prefix}.{n}" if prefix else n, is_buf))
-                if u not in used:
-                    used.append(u)
-            return used
-
-        in_block: set = set()
-        for b in block_list:
-            for m in b.modules():
-                in_block.add(id(m))
-        # The small tensors of blocks that also hold large ones (norms, biases) share one unit,
-        # which the top level holds for the whole step: a block of large tensors only is then a
-        # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
-        # so its upload spans fewer, fuller pages.
-        small = _Unit("small tensors of the blocks", -1)
-        for b in block_list:
-            u = _Unit(names.get(id(b), type(b).__name__), len(units))
-            used = claim(u, b, names.get(id(b), ""), True, small)
-            if u.entries:
-                units.append(u)
-            if used and id(b) not in needs:
-                needs[id(b)] = used
-                hooked.append(b)
-        if small.entries:
-            small.index = len(units)
-            units.append(small)
-        for m in module.modules():
-            if id(m) in in_block:
-                continue
-            u = _Unit(names.get(id(m), type(m).__name__), len(units))
-            used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
-            if u.entries:
-                units.append(u)
-            if used and id(m) not in needs:
-                needs[id(m)] = used
-                hooked.append(m)
-        if small.entries:
-            top = needs.setdefault(id(module), [])
-            if small not in top:
-                top.append(small)
+        units, needs, hooked = _plan_units(module, block_list, set(trainable), names)
         if not units:
             raise InvalidArgument(
                 f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "

@@ -1,7 +1,8 @@
 """The units spillway.torch.offload is made of: the tensors of a block or module packed into one
 buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), records of
-tensors saved for backward (_Saved), and how the default blocks are found (_default_blocks). No
-spillway calls here: _offload.py moves the units.
+tensors saved for backward (_Saved), how the default blocks are found (_default_blocks) and how
+a module's tensors are divided into units (_plan_units). No spillway calls here: _offload.py
+moves the units.
 """
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ import torch
 from torch import nn
 
 _ALIGN = 256  # offset alignment of each tensor inside its unit's pack
+_SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
 
 
 def _align(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class _CudaMemory:
@@ -154,3 +160,70 @@ def _default_blocks(module: nn.Module) -> List[nn.Module]:
             seen.add(id(child))
             out.append(child)
     return out
+
+
+def _plan_units(module: nn.Module, block_list: List[nn.Module], trainable: set,
+                names: Dict[int, str]) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+    """The units of module (nothing moves yet): (units, id(module) -> the units its hook acquires,
+    the modules to hook). Each block is one unit; every other module with tensors of its own is
+    one; a tensor goes to the first unit that reaches it, so a tied weight is stored once.
+    trainable: ids of the parameters that stay resident."""
+    owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
+    units: List[_Unit] = []
+    needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
+    hooked: List[nn.Module] = []
+
+    def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool,
+              small: Optional[_Unit] = None) -> List[_Unit]:
+        used: List[_Unit] = []
+        tensors = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse)
+                   if id(t) not in trainable]
+        tensors += [(n, t, True) for n, t in mod.named_buffers(recurse=recurse)
+                    if t is not None]
+        if small is not None and not any(_nbytes(t) >= _SMALL for _, t, _ in tensors):
+            small = None  # a block of small tensors only stays whole
+        for n, t, is_buf in tensors:
+            u = owner.get(id(t))
+            if u is None:
+                u = small if small is not None and _nbytes(t) < _SMALL else unit
+                owner[id(t)] = u
+                u.add(_Entry(t, f"{prefix}.{n}" if prefix else n, is_buf))
+            if u not in used:
+                used.append(u)
+        return used
+
+    in_block: set = set()
+    for b in block_list:
+        for m in b.modules():
+            in_block.add(id(m))
+    # The small tensors of blocks that also hold large ones (norms, biases) share one unit,
+    # which the top level holds for the whole step: a block of large tensors only is then a
+    # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
+    # so its upload spans fewer, fuller pages.
+    small = _Unit("small tensors of the blocks", -1)
+    for b in block_list:
+        u = _Unit(names.get(id(b), type(b).__name__), len(units))
+        used = claim(u, b, names.get(id(b), ""), True, small)
+        if u.entries:
+            units.append(u)
+        if used and id(b) not in needs:
+            needs[id(b)] = used
+            hooked.append(b)
+    if small.entries:
+        small.index = len(units)
+        units.append(small)
+    for m in module.modules():
+        if id(m) in in_block:
+            continue
+        u = _Unit(names.get(id(m), type(m).__name__), len(units))
+        used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
+        if u.entries:
+            units.append(u)
+        if used and id(m) not in needs:
+            needs[id(m)] = used
+            hooked.append(m)
+    if small.entries:
+        top = needs.setdefault(id(module), [])
+        if small not in top:
+            top.append(small)
+    return units, needs, hooked
