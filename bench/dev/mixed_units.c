@@ -11,7 +11,10 @@
  *     e.g. 192MiB -3; MODE: -1 no prefetch, 0 double buffer, -2 static split, -3 split with one
  *     slot, auto: the policy's own trials on a link of 4 GB/s (about 55 GB/s scaled by 1/16); layers
  *     of whole pages at 1/16 scale: 384MiB -3 26624 16000
- * Prints per step the trims, the bytes uploaded so far, the fixed set's size and the pipeline.
+ * Prints per step the trims, the bytes uploaded so far, the fixed set's size and the pipeline;
+ * then, over steps 10-29, how often a buffer came back at another device address than at its
+ * last acquire, and how often at one of its last 2 or 4 addresses (what the offload's hooks
+ * would re-point with no cache of device tensors, or with one of 2 or 4 addresses per unit).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +49,9 @@ int main(int argc, char **argv) {
         if (spw_buf_create(ctx, (i == 0 || i == N - 1) ? E : L, SPW_BUF_READ_ONLY, &b[i])) return 1;
     if (spw_stream_create(ctx, &s)) return 1;
     int64_t t0 = 0;
+    enum { K = 4 };
+    void *seen[N][K] = {{0}}; /* each buffer's last K addresses, newest first */
+    long acq = 0, moved = 0, miss2 = 0, miss4 = 0;
     for (int step = 0; step < 30; step++) {
         if (spw_step_begin(ctx)) return 1;
         for (int i = 0; i < N; i++) {
@@ -54,6 +60,17 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "mixed_units: %s\n", spw_last_error());
                 return 1;
             }
+            int at = K;
+            for (int k = 0; k < K; k++)
+                if (seen[i][k] == d) at = k;
+            if (step >= 10) {
+                acq++;
+                moved += at != 0;
+                miss2 += at >= 2;
+                miss4 += at >= 4;
+            }
+            for (int k = (at < K ? at : K - 1); k > 0; k--) seen[i][k] = seen[i][k - 1];
+            seen[i][0] = d;
         }
         spw_stats x;
         if (spw_step_end(ctx) || spw_stream_synchronize(ctx, s) || spw_stats_get(ctx, &x)) return 1;
@@ -64,6 +81,8 @@ int main(int argc, char **argv) {
                ctx->engine->pol->early_max);
         t0 = x.trim_syncs.total;
     }
+    printf("steps 10-29: %ld acquires, at another address than the last %ld, not among the last 2 "
+           "%ld, not among the last 4 %ld\n", acq, moved, miss2, miss4);
     for (int i = 0; i < N; i++) spw_buf_destroy(b[i]);
     spw_stream_destroy(ctx, s);
     return spw_ctx_destroy(ctx) != SPW_OK;

@@ -603,3 +603,28 @@ def test_device_property_reports_the_execution_device():
     assert torch.equal(m(x), want)
     off.remove()
     assert type(m) is WithDevice
+
+
+def test_units_keep_device_tensors_for_their_two_latest_addresses():
+    # A unit alternating between two device addresses (a streamed block of the static split)
+    # re-points nothing after the first visit to each; a third address re-points the least
+    # recently used set. Every device tensor lies where its entry does in the unit.
+    m = frozen(make_stack())
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    u = off.units[0]
+    mem = [torch.empty(u.nbytes, dtype=torch.uint8) for _ in range(3)]
+    a, b, c = (t.data_ptr() for t in mem)
+    builds = []
+    for ptr in (a, b, a, b, a, c, b, a):
+        pairs = off._point(u, ptr)
+        builds.append(off.view_builds)
+        assert u.dev_at == ptr and pairs is u.dev_pairs
+        for e, (t, d) in zip(u.entries, pairs):
+            assert t is e.tensor and d.data_ptr() == ptr + e.offset and d.shape == e.tensor.shape
+    assert builds == [1, 2, 2, 2, 2, 3, 4, 5]
+    x = torch.randn(2, 64)
+    with torch.no_grad():  # the real addresses afterwards: still equal
+        for _ in range(3):
+            assert torch.equal(m(x), ref(x))
+    off.remove()

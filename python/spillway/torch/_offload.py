@@ -16,9 +16,10 @@ How it works, and the contracts it keeps:
   synchronously) and points each tensor's .data at a view of the device copy; the forward hook
   points them back at the host views and releases on the same stream. Acquisitions are counted
   per unit, so nested and repeated calls are safe. No host synchronization on the CUDA path.
-- Each tensor has one device tensor for the offload's life. When its unit comes back at the
-  same device address an acquire costs one ctypes call plus a .data assignment per tensor; at
-  a new address, also one storage over the unit and a Tensor.set_ per tensor.
+- Each tensor has two device tensors for the offload's life, each over one of its unit's two
+  most recent device addresses. When the unit comes back at one of them an acquire costs one
+  ctypes call plus a .data assignment per tensor; at another address, also one storage over
+  the unit and a Tensor.set_ per tensor.
 - One call of the top-level module is one plan step (step_begin/step_end around its forward),
   unless the caller marks steps with `with off.step():`.
 - Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
@@ -56,6 +57,10 @@ from ._units import _Saved, _Unit, _align, _default_blocks, _module_names, _plan
 _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
+# Sets of device tensors per unit, each over one of its recent device addresses: the static split
+# streams each unit through one of two slots of its room, alternating step by step (every
+# streamed unit on emu, bench/dev/mixed_units.c), and two sets then re-point nothing.
+_DEV_SETS = 2
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 
 
@@ -299,7 +304,9 @@ class Offload:
         # in), usable with autograd. Re-pointing them then needs no inference_mode(False) switch,
         # which cost 16 of a re-point's 41 us on the H200.
         with torch.inference_mode(False):
-            u.dev_pairs = tuple((e.tensor, torch.empty(0, dtype=e.dtype, device=self.device)) for e in u.entries)
+            sets = [tuple((e.tensor, torch.empty(0, dtype=e.dtype, device=self.device)) for e in u.entries)
+                    for _ in range(_DEV_SETS)]
+        u.dev_pairs, u.dev_spare = sets[0], [(0, p) for p in sets[1:]]
         for e in u.entries:
             e.tensor.data = e.host_view
 
@@ -355,8 +362,8 @@ class Offload:
     # are enqueued. So an acquire is one ctypes call (two on emu), an address compare and one
     # .data assignment per tensor, and a release the reverse: the functions are bound at
     # offload(), a unit's (tensor, device tensor) pairs are built once and re-pointed when the
-    # unit moves, and the hooks allocate nothing for a unit of parameters whose module returns
-    # one tensor.
+    # unit moves to a third address, and the hooks allocate nothing for a unit of parameters
+    # whose module returns one tensor.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on
         CUDA (0 is the legacy default stream, passed as NULL), NULL on emu."""
@@ -371,17 +378,26 @@ class Offload:
         return self._raw_stream(self._dev_index) or None
 
     def _point(self, u: _Unit, ptr: int) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
-        """u's (entry tensor, device tensor) pairs, the device tensors over u at address ptr.
-        A unit found at a new address costs one storage and one Tensor.set_ per entry; the
-        device tensors are the unit's own, so nothing is cached per address."""
+        """u's (entry tensor, device tensor) pairs over u at address ptr, made current. A unit
+        has _DEV_SETS sets of device tensors, each over one of its recent addresses; one found
+        at none of them re-points the least recently used set: one storage and one Tensor.set_
+        per entry."""
         if u.dev_at == ptr:
             return u.dev_pairs
+        spare = u.dev_spare
+        for i, (at, pairs) in enumerate(spare):
+            if at == ptr:
+                spare[i] = (u.dev_at, u.dev_pairs)
+                u.dev_at, u.dev_pairs = ptr, pairs
+                return pairs
         self.view_builds += 1
+        _, pairs = spare.pop()
         storage = _storage_at(ptr, u.nbytes, self.device)
-        for e, (_, d) in zip(u.entries, u.dev_pairs):
+        for e, (_, d) in zip(u.entries, pairs):
             d.set_(storage, e.elem_offset, e.shape, e.stride)
-        u.dev_at = ptr
-        return u.dev_pairs
+        spare.insert(0, (u.dev_at, u.dev_pairs))
+        u.dev_at, u.dev_pairs = ptr, pairs
+        return pairs
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
@@ -736,7 +752,7 @@ class Offload:
                 e.tensor.data = fresh
                 e.host_view = None
             u.host_pairs = ()
-            u.dev_pairs = ()
+            u.dev_pairs, u.dev_spare = (), []
             u.dev_at = 0
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)

@@ -93,7 +93,7 @@ class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
-                 "stream", "devptr", "versions", "host_pairs", "dev_pairs", "dev_at")
+                 "stream", "devptr", "versions", "host_pairs", "dev_pairs", "dev_at", "dev_spare")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -110,10 +110,13 @@ class _Unit:
         self.versions: List[Tuple[_Entry, int]] = []
         # (entry.tensor, its host view) for each entry: what release points the tensors back at
         self.host_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
-        # (entry.tensor, its device tensor) for each entry: one device tensor per entry for the
-        # unit's life, pointed (Tensor.set_) at the unit's device address dev_at when it changes
+        # (entry.tensor, its device tensor) for each entry, the device tensors over the unit at
+        # device address dev_at; dev_spare: other such sets as (address, pairs), most recently
+        # used first (address 0: not pointed yet). Made once; a set is re-pointed (Tensor.set_)
+        # when the unit comes back at none of their addresses.
         self.dev_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
         self.dev_at = 0
+        self.dev_spare: List[Tuple[int, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]] = []
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)
