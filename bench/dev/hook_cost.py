@@ -273,6 +273,10 @@ def per_call_ns(stmt, g, n=100000) -> float:
 
 def components(a: argparse.Namespace) -> None:
     """ns of the pieces the hooks are made of, on this backend and device."""
+    # a tenth of the calls on cuda, where several pieces launch work: the whole fits in a minute
+    def call_ns(stmt: str, g: dict, n: int = 100000) -> float:
+        return per_call_ns(stmt, g, max(1000, n // 10) if a.cuda else n)
+
     dev = "cuda" if a.cuda else "cpu"
     w = torch.zeros(4, 4, device=dev)
     v1, v2 = torch.zeros(4, 4, device=dev), torch.zeros(4, 4)  # as the hooks swap: device view, host view
@@ -288,31 +292,31 @@ def components(a: argparse.Namespace) -> None:
     nop.skip = True
     g = dict(nop=nop.spw_stream_synchronize, time=time, w=w, v1=v1, v2=v2, lin=lin, hooked=hooked, xi=xi, d=d, torch=torch, pairs=pairs)
     rows = [
-        ("perf_counter_ns pair", per_call_ns("t = time.perf_counter_ns(); x = time.perf_counter_ns() - t", g)),
-        ("t.data = v", per_call_ns("w.data = v1; w.data = v2", g) / 2),
-        ("dict get of a view tuple", per_call_ns("d.get(12345)", g)),
-        ("out.data_ptr() range test", per_call_ns("p = xi.data_ptr(); 0 <= p < 4096", g)),
-        ("try/finally", per_call_ns("try:\n    pass\nfinally:\n    pass", g)),
-        ("a Python no-op call (NoSync's stand-in)", per_call_ns("nop(1, None)", g)),
+        ("perf_counter_ns pair", call_ns("t = time.perf_counter_ns(); x = time.perf_counter_ns() - t", g)),
+        ("t.data = v", call_ns("w.data = v1; w.data = v2", g) / 2),
+        ("dict get of a view tuple", call_ns("d.get(12345)", g)),
+        ("out.data_ptr() range test", call_ns("p = xi.data_ptr(); 0 <= p < 4096", g)),
+        ("try/finally", call_ns("try:\n    pass\nfinally:\n    pass", g)),
+        ("a Python no-op call (NoSync's stand-in)", call_ns("nop(1, None)", g)),
     ]
     if a.cuda:
         g.update(raw=torch._C._cuda_getCurrentRawStream)
-        rows.append(("torch._C._cuda_getCurrentRawStream", per_call_ns("raw(0)", g)))
+        rows.append(("torch._C._cuda_getCurrentRawStream", call_ns("raw(0)", g)))
     dv = torch.empty(0, device=dev)
     tdev = torch.device(dev, 0) if a.cuda else torch.device(dev)
     g.update(at=_units._storage_at, dev=tdev, dv=dv)
-    rows.append(("storage over a unit at a new address", per_call_ns("at(xi.data_ptr(), 16, dev)", g, 20000)))
+    rows.append(("storage over a unit at a new address", call_ns("at(xi.data_ptr(), 16, dev)", g, 20000)))
     st = _units._storage_at(xi.data_ptr(), 16, tdev)
     g.update(st=st)
-    rows.append(("Tensor.set_ of one tensor onto it", per_call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
+    rows.append(("Tensor.set_ of one tensor onto it", call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
     with torch.inference_mode():
-        rows.append(("the same set_ inside inference mode", per_call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
-        rows.append(("t.data = v inside inference mode", per_call_ns("w.data = v1; w.data = v2", g) / 2))
+        rows.append(("the same set_ inside inference mode", call_ns("dv.set_(st, 0, (2, 2), (2, 1))", g, 20000)))
+        rows.append(("t.data = v inside inference mode", call_ns("w.data = v1; w.data = v2", g) / 2))
         rows.append(("enter + exit inference_mode(False) inside it",
-                     per_call_ns("with torch.inference_mode(False):\n    pass", g, 20000)))
+                     call_ns("with torch.inference_mode(False):\n    pass", g, 20000)))
     with torch.no_grad():
-        plain = per_call_ns("lin(xi)", g, 20000)
-        rows.append(("torch's dispatch of a no-op pre+post hook pair", per_call_ns("hooked(xi)", g, 20000) - plain))
+        plain = call_ns("lin(xi)", g, 20000)
+        rows.append(("torch's dispatch of a no-op pre+post hook pair", call_ns("hooked(xi)", g, 20000) - plain))
     stream = torch.cuda.current_stream().cuda_stream if a.cuda else None
     with spillway.Context(budget="64MiB", policy="lru", backend="cuda" if a.cuda else "emu") as ctx:
         host = torch.zeros(MIB + 4096, dtype=torch.uint8)
@@ -324,9 +328,9 @@ def components(a: argparse.Namespace) -> None:
         buf.acquire("r", stream)
         buf.release(stream)
         sync(a)
-        rows.append(("spw_acquire + spw_release, resident, ctypes", per_call_ns("acq(h, s, 1, ref); rel(h, s)", g, 20000)))
+        rows.append(("spw_acquire + spw_release, resident, ctypes", call_ns("acq(h, s, 1, ref); rel(h, s)", g, 20000)))
         if not a.cuda:
-            rows.append(("spw_stream_synchronize (emu only)", per_call_ns("sync(ch, None)", g, 20000)))
+            rows.append(("spw_stream_synchronize (emu only)", call_ns("sync(ch, None)", g, 20000)))
         sync(a)
         buf.close()
     print("pieces, ns per call:")

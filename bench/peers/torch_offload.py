@@ -645,7 +645,16 @@ def c_call_profile(cfg, off, fn, passes=2):
         text = io.StringIO()
         st = pstats.Stats(prof, stream=text).sort_stats("tottime")
         st.print_stats(30)
-        st.print_callees(r"_offload.py.*\((pre_hook|post_hook|_acquire|_acquire_raw|_release|_point|_top_forward)\)")
+        # pstats prints milliseconds; the hooks' functions and what they call, in us a call
+        text.write("spillway's hook functions and their callees, us a call (own / with callees):\n")
+        hot = {"pre_hook", "post_hook", "_acquire", "_acquire_raw", "_release", "_point", "_write_back",
+               "_own_output", "_storage_at"}
+        for (path, line, name), (_, calls, tt, ct, callers) in sorted(st.stats.items(), key=lambda kv: -kv[1][2]):
+            mine = path.endswith(("_offload.py", "_units.py")) and name in hot
+            called = any(c[2] in hot for c in callers)
+            if (mine or called) and calls:
+                where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if mine else name
+                text.write(f"  {where:<60} x{calls:<5} {1e6 * tt / calls:8.2f} {1e6 * ct / calls:8.2f}\n")
         res["profile"] = text.getvalue()
     return res
 
