@@ -650,7 +650,8 @@ class Offload:
 
     def hook_stats(self) -> Dict[str, int]:
         """Counters of the Python side: hook_ns (host time in the hooks), acquires (spw_acquire
-        calls by hooks and backward), view_hits/view_builds (device views reused/constructed),
+        calls by hooks and backward), view_hits/view_builds (the unit's device tensors found over
+        its address / re-pointed there: it was at neither of its two latest addresses),
         steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
         buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
         aliased a unit being released, copied so they outlive it)."""
@@ -710,7 +711,8 @@ class Offload:
             f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
             f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
             f"  hooks             {self.acquires} acquires, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us "
-            f"host time per acquire, views reused {self.acquires - self.view_builds} / built {self.view_builds}",
+            f"host time per acquire, device tensors reused {self.acquires - self.view_builds} / re-pointed "
+            f"{self.view_builds}",
             "",
             self.context.summary(),
         ]
