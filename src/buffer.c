@@ -170,6 +170,7 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
 void spw__engine_destroy(spw_ctx *ctx) {
     struct spw_engine *e = ctx->engine;
     if (!e) return;
+    spw__pf_stop(ctx); /* before the lock: the worker takes it */
     pthread_mutex_lock(&ctx->lock);
     /* the context is going away: no other caller may use it, so waiting under the lock is fine */
     if (e->streams_ok) {
@@ -465,7 +466,7 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     b->prefetched = false;
     *devptr = b->managed ? b->host : b->dev;
     if (e->pops->on_acquire) e->pops->on_acquire(e->pol, b, mode, s, b->acq);
-    if (e->pops->prefetch) e->pops->prefetch(e->pol, ctx, b, s);
+    if (e->pops->prefetch && !spw__pf_post(ctx)) e->pops->prefetch(e->pol, ctx, true);
     leave(b);
     return SPW_OK;
 }
@@ -573,13 +574,14 @@ static spw_status step(spw_ctx *ctx, bool begin) {
     pthread_mutex_lock(&ctx->lock);
     struct spw_engine *e = ctx->engine;
     spw__res_collapse_poll(ctx);
+    spw__pf_step(ctx, begin); /* a prefetch still pending belongs to the step that ends */
     if (begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);
-        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, NULL, NULL);
+        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, false);
     } else if (e->pops->step_end) {
         e->pops->step_end(e->pol);
-        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, NULL, NULL);
+        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, false);
     }
     spw__tsink_instant(e->sink, begin ? "step begin" : "step end", NULL, "engine", 0, e->step);
     pthread_mutex_unlock(&ctx->lock);

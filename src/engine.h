@@ -118,6 +118,7 @@ struct spw_engine {
     spw_tsink *sink; /* stall timing and the optional trace */
     int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
     bool owe_waits;      /* an upload is being given room: victims' blocks are freed owing waits */
+    struct spw_pf *pf;   /* the prefetch worker (prefetch_thread.c), NULL until first used */
 };
 
 /* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
@@ -135,6 +136,22 @@ void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b);
 /* Collapse every listed replica whose last device use is complete; called at every engine
  * entry, never blocks. */
 void spw__res_collapse_poll(spw_ctx *ctx);
+
+/* ---- prefetch_thread.c: the policy's after-acquire prefetches on a worker (option
+ * prefetch_thread=on). The worker takes the context lock and calls pops->prefetch(after_acquire
+ * true), exactly as spw_acquire would have; everything it does is ordered by the same lock. ----
+ * Context lock held: true if the prefetch was handed to the worker (started on first use); false
+ * if the caller must run it (the option is off, the worker could not be started, or it has not
+ * yet taken the previous post). Takes no system call while a step is open, where the worker
+ * polls. */
+bool spw__pf_post(spw_ctx *ctx);
+/* Context lock held: a step begins (the worker polls until it ends) or ends (a prefetch still
+ * pending is dropped: the step boundary's own prefetch follows). */
+void spw__pf_step(spw_ctx *ctx, bool begin);
+/* Context lock NOT held: stop and join the worker, if any (engine teardown). */
+void spw__pf_stop(spw_ctx *ctx);
+/* Prefetch calls the worker has made (tests). */
+uint64_t spw__pf_runs(spw_ctx *ctx);
 
 /* ---- hostmem.c: pinned host pool (context lock held) ---- */
 spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);

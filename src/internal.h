@@ -75,6 +75,7 @@ struct spw_config {
     spw_tristate prefetch;      /* policy=plan: prefetch ahead (auto = on) */
     int prefetch_early;         /* policy=plan: prefetches allowed ahead of the optimal schedule;
                                    -1: auto (tuned by measuring steps) */
+    int prefetch_thread;        /* policy=plan: 1 = the prefetches after an acquire run on a worker */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */          /* held may exceed live by this fraction before cache is trimmed */
     size_t emu_capacity;
     int emu_link_gbps;          /* emu: simulated copy rate, 0 = memcpy speed */

@@ -65,6 +65,10 @@ static const opt_def options[] = {
      "buffers of room) and a split with one buffer of room and a quarter (each upload starts "
      "beside the buffer it replaces while that one is still read) for three steps each (the "
      "last two timed) and keeps the fastest"},
+    {"prefetch_thread", OPT_ENUM, "off", "off|on", OFF(prefetch_thread),
+     "policy=plan: issue the prefetches that follow each acquire from a worker thread, so that "
+     "the acquiring call does not enqueue the next buffers' copies itself; while a step is open "
+     "(spw_step_begin) the worker polls, yielding its core, instead of sleeping"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

@@ -79,10 +79,11 @@ typedef struct spw_policy_ops {
      * called for evictions the user asked for (spw_evict) or for read-only buffers. */
     int (*need_writeback)(spw_policy *p, spw_buf *b);
 
-    /* After each successful spw_acquire (b, s), and at spw_step_begin and after step_end at
-     * spw_step_end (b NULL, s NULL): the policy may start uploads of buffers it expects next
-     * with spw__engine_prefetch. */
-    void (*prefetch)(spw_policy *p, spw_ctx *ctx, spw_buf *b, spw_stream s);
+    /* After successful acquires (after_acquire true: at the end of spw_acquire, or later on the
+     * prefetch worker, prefetch_thread.c, once for any number of acquires since its last call),
+     * and at spw_step_begin and after step_end at spw_step_end (after_acquire false): the policy
+     * may start uploads of buffers it expects next with spw__engine_prefetch. */
+    void (*prefetch)(spw_policy *p, spw_ctx *ctx, bool after_acquire);
 
     /* One line for the summary on what the policy is doing (what it learned, what it chose),
      * written to buf (NUL-terminated, truncated to len); may write nothing. */

@@ -470,8 +470,8 @@ static void leave_slot(spw_policy *p) {
  * of those will be a candidate when it is released). The buffers the caller holds right now
  * are exempt: that one exemption is the double buffer that lets the transfer of the next
  * buffer overlap the work on the current one. */
-static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
-    if (!just) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
+static void prefetch_window(spw_policy *p, spw_ctx *ctx, bool after_acquire) {
+    if (!after_acquire) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
         if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
         else spw__plan_clear_fixed(p);
         if (p->early_max == PF_SLOT) {
@@ -517,20 +517,19 @@ static void prefetch_window(spw_policy *p, spw_ctx *ctx, spw_buf *just) {
     }
 }
 
-static void plan_prefetch(spw_policy *p, spw_ctx *ctx, spw_buf *just, spw_stream s) {
-    if (p->rebase_due && !just) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
-    (void)s;
+static void plan_prefetch(spw_policy *p, spw_ctx *ctx, bool after_acquire) {
+    if (p->rebase_due && !after_acquire) spw__plan_rebase(p, ctx); /* at the first plan's step_end or step_begin */
     if (!prefetching(p->ctx) || p->early_max == PF_OFF) return;
     /* Between steps (after step_end) a confirmed plan is taken to start over: the transfers that
      * open the next step are issued now, while the caller waits for this one, as a hand-written
      * loop keeps its copies in flight across the step boundary. Only clean victims then (the
      * caller may still read what the step wrote). */
-    p->ahead = !just && !p->in_step && p->confirmed && p->nplan && p->index;
+    p->ahead = !after_acquire && !p->in_step && p->confirmed && p->nplan && p->index;
     if (p->ahead) {
         p->cursor = 0;
         p->following = true;
     }
-    if (predicting(p)) prefetch_window(p, ctx, just);
+    if (predicting(p)) prefetch_window(p, ctx, after_acquire);
     if (p->ahead) p->following = false;
     p->ahead = false;
 }

@@ -628,3 +628,17 @@ def test_units_keep_device_tensors_for_their_two_latest_addresses():
         for _ in range(3):
             assert torch.equal(m(x), ref(x))
     off.remove()
+
+
+def test_prefetch_thread_option_reaches_the_library():
+    # the library's worker for plan's prefetches, through offload's options: outputs unchanged
+    m = frozen(make_stack(dim=512, depth=8))  # 1 MiB weights, room for half of them
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="6MiB", prefetch="on", prefetch_thread="on", **EMU)
+    x = torch.randn(2, 512)
+    for _ in range(6):
+        assert torch.equal(m(x), ref(x))
+    assert off.stats()["plan_prefetch_bytes"]["total"] > 0
+    off.remove()
+    with pytest.raises(spillway.ConfigError, match="prefetch_thread"):
+        spt.offload(copy.deepcopy(ref), budget="4MiB", prefetch_thread="sometimes", **EMU)

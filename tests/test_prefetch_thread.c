@@ -1,0 +1,171 @@
+/* The prefetch worker (prefetch_thread=on): policy=plan's after-acquire prefetches issued from a
+ * thread of the library. The contents every acquire sees, the prefetches it made, other threads
+ * using the context meanwhile, and teardown while it polls or holds a prefetch. emu only (the
+ * byte checks read device memory on the host); a ThreadSanitizer target. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "test_util.h"
+
+#define MiB ((size_t)1 << 20)
+enum { NB = 8 };
+static const size_t SZ = MiB;
+
+/* 8 buffers of 1 MiB, each filled with its own byte, under room for 6 (a double buffer) */
+static spw_ctx *worker_ctx(spw_buf **b, const char *extra) {
+    char conf[256];
+    snprintf(conf, sizeof conf, "budget=6MiB,policy=plan,prefetch=on,prefetch_early=0,grow_ahead=0,"
+                                "prefetch_thread=on%s%s", extra ? "," : "", extra ? extra : "");
+    spw_ctx *ctx = test_ctx(conf);
+    for (int i = 0; i < NB; i++) {
+        assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
+        test_fill_buf(b[i], (uint8_t)(0x40 + i));
+    }
+    return ctx;
+}
+
+/* `steps` cyclic steps over b, every byte of every acquisition checked on the stream, 100 us
+ * between acquisitions (a framework enqueuing the work that uses each: the worker's time) */
+static void run_steps(spw_ctx *ctx, spw_buf **b, int steps, atomic_int *bad) {
+    const struct timespec gap = {0, 100000};
+    test_kcheck k[NB];
+    for (int s = 0; s < steps; s++) {
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            k[i] = (test_kcheck){d, SZ, (uint8_t)(0x40 + i), NULL, bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k[i]));
+            assert_ok(spw_release(b[i], NULL));
+            nanosleep(&gap, NULL);
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+}
+
+static void worker_prefetches_the_plan(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_buf *b[NB];
+    spw_ctx *ctx = worker_ctx(b, "emu_link_gbps=4");
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    run_steps(ctx, b, 12, &bad);
+    assert_int_equal(atomic_load(&bad), 0);
+    /* the acquires handed their prefetches over, and the worker made them */
+    assert_true(spw__pf_runs(ctx) > 0);
+    spw_stats st = test_stats(ctx);
+    assert_true(st.plan_prefetch_bytes.total > 0);
+    assert_true(st.prefetch_hits.total > 0);
+    assert_int_equal(st.plan_divergences.total, 0);
+    assert_ok(spw__arena_check(ctx->large));
+    spw_ctx_destroy(ctx);
+
+    /* off: the acquiring call prefetches, and no worker exists */
+    ctx = test_ctx("budget=6MiB,policy=plan,prefetch=on,prefetch_early=0,grow_ahead=0");
+    for (int i = 0; i < NB; i++) {
+        assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
+        test_fill_buf(b[i], (uint8_t)(0x40 + i));
+    }
+    run_steps(ctx, b, 6, &bad);
+    assert_null(ctx->engine->pf);
+    assert_int_equal(spw__pf_runs(ctx), 0);
+    assert_true(test_stats(ctx).plan_prefetch_bytes.total > 0);
+    spw_ctx_destroy(ctx);
+
+    spw_config *cfg = NULL;
+    assert_ok(spw_config_create(&cfg));
+    assert_status(spw_config_parse(cfg, "prefetch_thread=maybe"), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "off|on"));
+    spw_config_destroy(cfg);
+}
+
+typedef struct reader_arg {
+    spw_ctx *ctx;
+    spw_buf *buf;
+    atomic_int *stop;
+    atomic_int *bad;
+} reader_arg;
+
+/* another thread on the same context: host reads of its own buffer and statistics */
+static void *reader(void *p) {
+    reader_arg *a = p;
+    uint8_t *tmp = malloc(SZ);
+    while (!atomic_load(a->stop)) {
+        spw_stats st;
+        if (spw_buf_read(a->buf, 0, tmp, SZ) != SPW_OK || spw_stats_get(a->ctx, &st) != SPW_OK) {
+            atomic_fetch_add(a->bad, 1);
+            break;
+        }
+        for (size_t i = 0; i < SZ; i += 4093)
+            if (tmp[i] != 0x7e) atomic_fetch_add(a->bad, 1);
+    }
+    free(tmp);
+    return NULL;
+}
+
+static void other_threads_meanwhile(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_buf *b[NB], *own;
+    spw_ctx *ctx = worker_ctx(b, NULL);
+    assert_ok(spw_buf_create(ctx, SZ, 0, &own));
+    test_fill_buf(own, 0x7e);
+    atomic_int bad, stop;
+    atomic_init(&bad, 0);
+    atomic_init(&stop, 0);
+    reader_arg a = {ctx, own, &stop, &bad};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, reader, &a), 0);
+    run_steps(ctx, b, 10, &bad);
+    atomic_store(&stop, 1);
+    pthread_join(t, NULL);
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_true(spw__pf_runs(ctx) > 0);
+    spw_ctx_destroy(ctx);
+}
+
+static void teardown_while_polling_or_pending(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_buf *b[NB];
+    spw_ctx *ctx = worker_ctx(b, NULL);
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    run_steps(ctx, b, 4, &bad); /* a plan learned: acquires now post prefetches */
+    /* a step left open (the worker polls), buffers destroyed right after an acquire posted one */
+    assert_ok(spw_step_begin(ctx));
+    void *d;
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[0], NULL));
+    for (int i = 1; i < NB; i++) assert_ok(spw_buf_destroy(b[i]));
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    test_kcheck k = {d, SZ, 0x40, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k));
+    assert_ok(spw_release(b[0], NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    assert_int_equal(atomic_load(&bad), 0);
+    spw_ctx_destroy(ctx); /* joins the polling worker */
+
+    ctx = worker_ctx(b, NULL); /* destroyed with a prefetch posted and the step still open */
+    run_steps(ctx, b, 3, &bad);
+    assert_ok(spw_step_begin(ctx));
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release(b[0], NULL));
+    spw_ctx_destroy(ctx);
+    assert_int_equal(atomic_load(&bad), 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(worker_prefetches_the_plan),
+        cmocka_unit_test(other_threads_meanwhile),
+        cmocka_unit_test(teardown_while_polling_or_pending),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
