@@ -203,28 +203,24 @@ def _plan_units(module: nn.Module, block_list: List[nn.Module], trainable: set,
     # which the top level holds for the whole step: a block of large tensors only is then a
     # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
     # so its upload spans fewer, fuller pages.
-    small = _Unit("small tensors of the blocks", -1)
-    for b in block_list:
-        u = _Unit(names.get(id(b), type(b).__name__), len(units))
-        used = claim(u, b, names.get(id(b), ""), True, small)
+    def unit_of(mod: nn.Module, prefix: str, recurse: bool, small: Optional[_Unit] = None) -> None:
+        u = _Unit(names.get(id(mod), type(mod).__name__), len(units))
+        used = claim(u, mod, prefix, recurse, small)
         if u.entries:
             units.append(u)
-        if used and id(b) not in needs:
-            needs[id(b)] = used
-            hooked.append(b)
+        if used and id(mod) not in needs:
+            needs[id(mod)] = used
+            hooked.append(mod)
+
+    small = _Unit("small tensors of the blocks", -1)
+    for b in block_list:
+        unit_of(b, names.get(id(b), ""), True, small)
     if small.entries:
         small.index = len(units)
         units.append(small)
     for m in module.modules():
-        if id(m) in in_block:
-            continue
-        u = _Unit(names.get(id(m), type(m).__name__), len(units))
-        used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
-        if u.entries:
-            units.append(u)
-        if used and id(m) not in needs:
-            needs[id(m)] = used
-            hooked.append(m)
+        if id(m) not in in_block:
+            unit_of(m, names.get(id(m), "") if m is not module else "", False)
     if small.entries:
         top = needs.setdefault(id(module), [])
         if small not in top:
