@@ -227,3 +227,21 @@ def test_llama_backward_with_adapters():
         _check_grads(model, ref, loss_fn)
     assert off.hook_stats()["saved_reacquires"] > 0
     off.remove()
+
+
+@pytest.mark.parametrize("worker", ["off", "on"])
+def test_plan_prefetch_from_the_worker_thread(worker):
+    # prefetch_thread=on on a real device: the plan's prefetches come from the library's worker
+    # while the forward enqueues kernels; outputs stay bitwise equal to the resident model's
+    m = frozen(make_stack(dim=1024, depth=12)).to(DEV)  # 4 MiB weights, room for about half
+    ref = copy.deepcopy(m)
+    x = torch.randn(8, 1024, device=DEV)
+    off = spt.offload(m, budget="28MiB", prefetch="on", prefetch_thread=worker, **CUDA)
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(12):
+            assert torch.equal(m(x), want)
+    st = off.stats()
+    assert st["plan_prefetch_bytes"]["total"] > 0 and st["plan_divergences"]["total"] == 0
+    print(f"\nprefetch_thread={worker}: {off.summary().splitlines()[0]}")
+    off.remove()
