@@ -194,15 +194,19 @@ spw_status spw__ctx_alloc_block(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_st
     return spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, NULL, NULL);
 }
 
+static spw_status arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out, spw_arena_wait *w,
+                              int *nw) {
+    return w ? spw__arena_alloc_ordered(a, bytes, s, out, w, nw) : spw__arena_alloc(a, bytes, s, out);
+}
+
 spw_status spw__ctx_alloc_block_ordered(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
                                         spw_arena_wait *w, int *nw) {
-    spw_status st = w ? spw__arena_alloc_ordered(a, bytes, s, out, w, nw) : spw__arena_alloc(a, bytes, s, out);
+    spw_status st = arena_alloc(a, bytes, s, out, w, nw);
     if (SPW_LIKELY(st != SPW_ERR_OUT_OF_MEMORY)) return st;
     size_t got = 0;
     spw_arena *other = a == ctx->small ? ctx->large : ctx->small;
     if ((st = spw__arena_trim(other, SIZE_MAX, &got))) return st;
-    if (!got) return SPW_ERR_OUT_OF_MEMORY;
-    return w ? spw__arena_alloc_ordered(a, bytes, s, out, w, nw) : spw__arena_alloc(a, bytes, s, out);
+    return got ? arena_alloc(a, bytes, s, out, w, nw) : SPW_ERR_OUT_OF_MEMORY;
 }
 
 /* Largest request accepted before any arithmetic: beyond this, rounding could overflow. */

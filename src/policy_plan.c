@@ -43,6 +43,12 @@ static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC, PF_SLOT};
 /* Pipelines with a fixed set. */
 static bool fixed_pipeline(int mode) { return mode == PF_STATIC || mode == PF_SLOT; }
 
+/* Mark the fixed set of the pipeline in force, or none. */
+static void fix_for_pipeline(spw_policy *p) {
+    if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
+    else spw__plan_clear_fixed(p);
+}
+
 
 /* ---- plan index ---- */
 
@@ -461,8 +467,7 @@ static void leave_slot(spw_policy *p) {
         if (EARLY_TRIALS[i] != PF_SLOT && (best < 0 || p->trial_t[i] < p->trial_t[best])) best = i;
     p->early_max = EARLY_TRIALS[best];
     p->slot_left = true;
-    if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
-    else spw__plan_clear_fixed(p);
+    fix_for_pipeline(p);
 }
 
 /* Prefetch the next missing buffers of the plan while that keeps the schedule optimal. A victim
@@ -472,8 +477,7 @@ static void leave_slot(spw_policy *p) {
  * buffer overlap the work on the current one. */
 static void prefetch_window(spw_policy *p, spw_ctx *ctx, bool after_acquire) {
     if (!after_acquire) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
-        if (fixed_pipeline(p->early_max)) spw__plan_choose_fixed(p, p->early_max);
-        else spw__plan_clear_fixed(p);
+        fix_for_pipeline(p);
         if (p->early_max == PF_SLOT) {
             p->slot_step_broken |= spw__plan_take_up_fixed(p, ctx);
             if (p->in_step) { /* a step begins: judge the one that ended */

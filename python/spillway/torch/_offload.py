@@ -295,6 +295,7 @@ class Offload:
             with torch.no_grad():
                 view.copy_(e.tensor.data)
             e.host_view = view
+            e.stride = tuple(view.stride())
         # registered only after the copy: the library's host copy must be the final contents
         u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
         u.handle = u.buf.handle

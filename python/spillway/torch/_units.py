@@ -60,14 +60,6 @@ def _storage_at(ptr: int, nbytes: int, device: torch.device) -> Any:
     return _untyped(torch.as_tensor(_CudaMemory(ptr, nbytes), device=device))
 
 
-def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
 class _Entry:
     """One offloaded tensor: where it lives in its unit and how to restore it."""
 
@@ -86,7 +78,7 @@ class _Entry:
         self.is_buffer = is_buffer
         self.host_view: Optional[torch.Tensor] = None
         self.elem_offset = 0  # offset in elements of dtype: offsets are aligned to _ALIGN
-        self.stride = _contiguous_stride(self.shape)  # packed contiguously
+        self.stride: Tuple[int, ...] = ()  # in the pack (contiguous): its host view's, set at packing
 
 
 class _Unit:
