@@ -13,7 +13,13 @@ kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG set before 
 The default process runs the workload a second time from the same seed: "default repeats" says
 whether the comparison can mean anything. Per row: losses (tokens) equal to the default's,
 spillway's peak held bytes against PyTorch's max_memory_reserved under the default allocator, and
-the median step time against the default's. Generation times its calls after --gen-warmup
+the median step time against the default's. "interleave" is the comparison without the noise
+between processes (one process's generation speed differs from another's by up to 18%): one
+process runs the workload with steps alternating between the default allocator and
+use_allocator(mode="pool") (`with allocator:` around every other step, in the order default,
+spillway, spillway, default, ...), after one untimed step of each; its losses (tokens) must equal
+the default process's, and its row compares its own spillway steps with its own default steps
+(medians, and the median of the ratios of neighbouring steps). Generation times its calls after --gen-warmup
 untimed ones, training after the first min(5, steps / 5) steps: in every process the timed steps
 find PyTorch's cache warm, as a long run would.
 
@@ -223,10 +229,10 @@ def child(a: dict) -> dict:
     dev = torch.device("cpu" if a["smoke"] else "cuda")
     alloc = None
     mode, options = split_alloc(a["alloc"])
-    if mode in ("global", "pool"):
+    if mode in ("global", "pool", "interleave"):
         import spillway.torch as spt
 
-        alloc = spt.use_allocator(budget=a["budget"], mode=mode, **options)
+        alloc = spt.use_allocator(budget=a["budget"], mode="pool" if mode == "interleave" else mode, **options)
     elif a["alloc"] == "fraction":
         torch.cuda.set_per_process_memory_fraction(a["cap"] / torch.cuda.get_device_properties(0).total_memory)
     elif a["alloc"] != "default":
@@ -245,19 +251,24 @@ def child(a: dict) -> dict:
         elif dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    class Region:  # pool mode: the workload inside `with alloc:`
+    class Region:  # pool mode: the workload inside `with alloc:`; interleave: the steps choose
+        def __init__(self, on: bool = True) -> None:
+            self.on = on and alloc is not None and alloc.mode == "pool"
+
         def __enter__(self):
-            if alloc is not None and alloc.mode == "pool":
+            if self.on:
                 alloc.__enter__()
 
         def __exit__(self, *exc):
-            if alloc is not None and alloc.mode == "pool":
+            if self.on:
                 alloc.__exit__(*exc)
+
+    interleave = mode == "interleave"
 
     out: dict = {}
     w = Workload(torch, a["workload"], dev, a["smoke"])
     try:
-        with Region():
+        with Region(not interleave):
             w.build()
     except oom as e:  # only the cap search builds under a cap below the model
         out.update(ok=a["what"] == "cap", error=f"OOM while building the model: {str(e)[:300]}", largest=0,
@@ -267,16 +278,22 @@ def child(a: dict) -> dict:
     if a["what"] == "run":
         losses, times = [], []
         skip = a.get("warmup", min(5, a["steps"] // 5))
+        if interleave:  # one untimed step with each allocator, then pairs
+            skip = max(2, skip + skip % 2)
+        # interleave: step i runs under spillway when True (warm-up: default, spillway; then
+        # default, spillway, spillway, default, ...: each allocator equally often first)
+        spw = [(i % 2 == 1) if i < skip else ((i - skip) % 4 in (1, 2)) for i in range(a["steps"])]
         marks = [counters(torch, dev, alloc)]
         try:
-            with Region():
+            with Region(not interleave):
                 for i in range(a["steps"]):
                     if i == skip and i:
                         sync()
                         marks.append(counters(torch, dev, alloc))
                     sync()
                     t0 = time.perf_counter()
-                    losses.append(w.step(a["batch"]))
+                    with Region(interleave and spw[i]):
+                        losses.append(w.step(a["batch"]))
                     sync()
                     times.append(time.perf_counter() - t0)
             out["ok"] = True
@@ -287,6 +304,8 @@ def child(a: dict) -> dict:
         timed = times[skip:] or times
         out.update(losses=losses, step_s=statistics.median(timed) / per if timed else None,
                    step_ms=[round(1e3 * t, 3) for t in times], warmup_steps=min(skip, len(times)))
+        if interleave:
+            out.update(interleaved(times[skip:], spw[skip:len(times)], per))
         n_timed = max(1, len(times) - skip) if len(times) > skip else 0
         if len(marks) == 3:
             out["diag_warmup"] = diff(marks[1], marks[0], skip)
@@ -330,6 +349,20 @@ def child(a: dict) -> dict:
 
             out["spw_held_peak"] = spt.memory_stats()["held.peak"]
     return out
+
+
+def interleaved(times: list, spw: list, per: int) -> dict:
+    """The interleaved process's own comparison: medians of its spillway and default steps, and
+    the median over neighbouring (default, spillway) pairs of spillway / default."""
+    s = [t for t, x in zip(times, spw) if x]
+    d = [t for t, x in zip(times, spw) if not x]
+    if not s or not d:
+        return {}
+    pairs = [times[i + 1] / times[i] if spw[i + 1] else times[i] / times[i + 1]
+             for i in range(0, len(times) - 1, 2) if spw[i] != spw[i + 1]]
+    return {"step_s": statistics.median(s) / per, "inter_default_step_s": statistics.median(d) / per,
+            "inter_ratio": statistics.median(s) / statistics.median(d),
+            "inter_paired": statistics.median(pairs) if pairs else None, "inter_pairs": len(pairs)}
 
 
 def segment_sizes(torch) -> dict:
@@ -478,7 +511,9 @@ def main() -> None:
     import torch
 
     if args.smoke:
-        allocs, steps, total, device = ("default",), 3, 0, "cpu (smoke)"
+        # the script's control flow on the CPU (use_allocator there: emu contexts, nothing routed)
+        allocs = ("default", "interleave") if "interleave" in args.allocators else ("default",)
+        steps, total, device = 6, 0, "cpu (smoke)"
     else:
         allocs, steps = tuple(dict.fromkeys(["default"] + args.allocators.split(","))), args.steps
         total, device = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
@@ -521,14 +556,20 @@ def main() -> None:
                    "step_s": g.get("step_s"), "default_step_s": ref.get("step_s"),
                    "step_ms": g.get("step_ms"), "warmup_steps": g.get("warmup_steps"),
                    "diag_step": g.get("diag_step"), "diag_warmup": g.get("diag_warmup"), "reclaims": g.get("reclaims")}
-            row.update(paired(g, ref))
+            if "inter_ratio" in g:  # its own default steps are the reference
+                row.update({k: g[k] for k in ("inter_ratio", "inter_paired", "inter_default_step_s", "inter_pairs")})
+                row["default_step_s"] = g["inter_default_step_s"]
+            else:
+                row.update(paired(g, ref))
             if len(rounds) > 1 and alloc != "default":
                 row.update(over_rounds(rounds, alloc))
             results["rows"].append(row)
             print(f"{w:6s} {alloc:7s} ok {row['ok']} equal {row['equal']} (default repeats: {row['repeat_equal']}) "
                   f"held {gb(row['spw_held_peak'])} vs default reserved {gb(row['default_max_reserved'])} "
                   f"step {1e3 * (row['step_s'] or 0):.2f} ms vs {1e3 * (row['default_step_s'] or 0):.2f} ms"
-                  + (f" (paired {row['paired_ratio']:.3f}, total {row['total_ratio']:.3f})" if "paired_ratio" in row else "")
+                  + (f" (paired {row['paired_ratio']:.3f}, total {row['total_ratio']:.3f})" if "total_ratio" in row else "")
+                  + (f" in one process, interleaved: ratio {row['inter_ratio']:.3f}, neighbours "
+                     f"{row['inter_paired']:.3f} over {row['inter_pairs']} pairs" if "inter_ratio" in row else "")
                   + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
         for alloc in allocs:
             if got[alloc].get("step_ms"):
@@ -594,15 +635,19 @@ def over_rounds(rounds: list, alloc: str) -> dict:
     per = []
     for rg in rounds:
         g, ref = rg[alloc], rg["default"]
-        one = {"median": step_ratio(g.get("step_s"), ref.get("step_s")),
+        one = {"median": g.get("inter_ratio") or step_ratio(g.get("step_s"), ref.get("step_s")),
                "equal": bool(g.get("ok") and ref.get("ok") and g.get("losses") == ref.get("losses"))}
-        one.update(paired(g, ref))
+        if "inter_ratio" in g:
+            one["paired_ratio"] = g["inter_paired"]
+        else:
+            one.update(paired(g, ref))
         per.append(one)
     out = {"rounds": per, "equal": all(p["equal"] for p in per),
            "rounds_median": statistics.median(p["median"] for p in per)}
     if all("paired_ratio" in p for p in per):
         out["paired_ratio"] = statistics.median(p["paired_ratio"] for p in per)
-        out["total_ratio"] = statistics.median(p["total_ratio"] for p in per)
+        if all("total_ratio" in p for p in per):
+            out["total_ratio"] = statistics.median(p["total_ratio"] for p in per)
     return out
 
 
@@ -625,8 +670,10 @@ def table(r: dict) -> str:
         lines.append(f"| {what[x['workload']]} | {x['allocator']} | {eq} ({x['repeat_equal']}) | "
                      f"{gb(x['spw_held_peak'])} / {gb(x['default_max_reserved'])} ({ratio:.3f}) | "
                      f"{step:.3f} ({1e3 * (x['step_s'] or 0):.2f} / {1e3 * (x['default_step_s'] or 0):.2f} ms)"
-                     + (f" (paired {x['paired_ratio']:.3f}; total {x['total_ratio']:.3f})" if "paired_ratio" in x else "")
+                     + (f" (paired {x['paired_ratio']:.3f}; total {x['total_ratio']:.3f})" if "total_ratio" in x else "")
                      + (f"; over {len(x['rounds'])} rounds: median {x['rounds_median']:.3f}" if "rounds" in x else "")
+                     + (f" (its own default steps, interleaved; neighbours {x['inter_paired']:.3f} over "
+                        f"{x['inter_pairs']} pairs)" if "inter_ratio" in x else "")
                      + (f" ERROR {x['error'][:120]}" if x["error"] else "") + " |")
     for w, why in r["skipped"].items():
         lines.append(f"| {what[w]} | - | not run: {why} | | |")
