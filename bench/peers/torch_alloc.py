@@ -513,7 +513,7 @@ def main() -> None:
     if args.smoke:
         # the script's control flow on the CPU (use_allocator there: emu contexts, nothing routed)
         allocs = ("default", "interleave") if "interleave" in args.allocators else ("default",)
-        steps, total, device = 6, 0, "cpu (smoke)"
+        steps, total, device = 3 * len(allocs), 0, "cpu (smoke)"
     else:
         allocs, steps = tuple(dict.fromkeys(["default"] + args.allocators.split(","))), args.steps
         total, device = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)

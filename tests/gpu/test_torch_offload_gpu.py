@@ -236,7 +236,9 @@ def test_plan_prefetch_from_the_worker_thread(worker):
     m = frozen(make_stack(dim=1024, depth=12)).to(DEV)  # 4 MiB weights, room for about half
     ref = copy.deepcopy(m)
     x = torch.randn(8, 1024, device=DEV)
-    off = spt.offload(m, budget="28MiB", prefetch="on", prefetch_thread=worker, **CUDA)
+    off = spt.offload(m, budget="28MiB", prefetch="on", **({"prefetch_thread": worker} if worker == "off" else {}),
+                      **CUDA)
+    assert off.context_options["prefetch_thread"] == worker  # on: offload's default on CUDA
     with torch.no_grad():
         want = ref(x)
         for _ in range(12):

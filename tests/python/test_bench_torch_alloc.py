@@ -47,3 +47,24 @@ def test_step_times_compare_step_by_step_and_over_rounds():
     assert r["rounds_median"] == 1.0 and r["paired_ratio"] == 1.5 and r["equal"] is True
     rounds[1]["global"] = dict(slow, losses=[2.0])  # one round that differs makes the row unequal
     assert t.over_rounds(rounds, "global")["equal"] is False
+
+
+def test_interleave_alternates_allocators_in_one_process_and_compares_with_its_own_default_steps(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "torch_alloc.py"), "--smoke",
+                        "--workloads", "resnet", "--allocators", "default,interleave", "--json", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["allocator"]: r for r in json.loads(out.read_text())["rows"]}
+    x = rows["interleave"]
+    assert x["ok"] and x["equal"], x  # the same losses as the default process's, step for step
+    assert x["inter_pairs"] == 2 and x["inter_ratio"] > 0 and x["inter_paired"] > 0
+    assert x["default_step_s"] == x["inter_default_step_s"]  # its own default steps are the reference
+
+
+def test_interleaved_figures_pair_neighbouring_steps():
+    t = _bench_module()
+    # steps: default, spillway, spillway, default: pairs (1, 2) and (4, 3) -> ratios 2.0 and 0.75
+    got = t.interleaved([1.0, 2.0, 3.0, 4.0], [False, True, True, False], 1)
+    assert got["inter_pairs"] == 2 and got["inter_paired"] == (2.0 + 0.75) / 2
+    assert got["step_s"] == 2.5 and got["inter_default_step_s"] == 2.5 and got["inter_ratio"] == 1.0

@@ -617,11 +617,11 @@ def test_units_keep_device_tensors_for_their_two_latest_addresses():
     a, b, c = (t.data_ptr() for t in mem)
     builds = []
     for ptr in (a, b, a, b, a, c, b, a):
-        pairs = off._point(u, ptr)
+        dset = off._point(u, ptr)
         builds.append(off.view_builds)
-        assert u.dev_at == ptr and pairs is u.dev_pairs
-        for e, (t, d) in zip(u.entries, pairs):
-            assert t is e.tensor and d.data_ptr() == ptr + e.offset and d.shape == e.tensor.shape
+        assert u.dev_at == ptr and dset is u.dev_set
+        for e, d in zip(u.entries, dset[0]):
+            assert d.data_ptr() == ptr + e.offset and d.shape == e.tensor.shape
     assert builds == [1, 2, 2, 2, 2, 3, 4, 5]
     x = torch.randn(2, 64)
     with torch.no_grad():  # the real addresses afterwards: still equal
@@ -642,3 +642,42 @@ def test_prefetch_thread_option_reaches_the_library():
     off.remove()
     with pytest.raises(spillway.ConfigError, match="prefetch_thread"):
         spt.offload(copy.deepcopy(ref), budget="4MiB", prefetch_thread="sometimes", **EMU)
+
+
+class Swapping(nn.Module):
+    """Reads its weight during forward, and at call `replace_at` stores a new Parameter of its own."""
+
+    def __init__(self, replace_at: int = -1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64))
+        self.calls, self.replace_at, self.seen = 0, replace_at, []
+
+    def forward(self, x):
+        self.seen.append(self._parameters["weight"])
+        if self.calls == self.replace_at:
+            self.weight = nn.Parameter(torch.full((64, 64), 0.5), requires_grad=False)
+        self.calls += 1
+        return x @ self.weight
+
+
+def test_parameters_are_swapped_in_their_modules_and_a_replacement_is_kept():
+    # During a forward each holder's parameter dict has a device tensor, not the Parameter,
+    # which stays the host view; after it the Parameter is back. A module that stores a new
+    # parameter during its forward keeps it in later forwards.
+    torch.manual_seed(0)
+    a = frozen(Swapping())
+    b = frozen(Swapping(replace_at=1))
+    b.weight = a.weight  # tied: one unit, two holders
+    m = nn.Sequential(a, b)
+    w = a.weight
+    want = a.weight.detach().clone()
+    x = torch.randn(2, 64)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    assert torch.equal(m(x), x @ want @ want)
+    assert all(t is not w and isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) for t in a.seen + b.seen)
+    assert a.weight is w and b._parameters["weight"] is w and torch.equal(w, want)
+    assert torch.equal(m(x), x @ want @ torch.full((64, 64), 0.5))  # b replaced its weight in this call
+    assert a.weight is w and b.weight is not w and b.weight[0, 0] == 0.5
+    assert torch.equal(m(x), x @ want @ torch.full((64, 64), 0.5))  # and keeps it
+    off.remove()
+    assert a.weight is w and torch.equal(w, want)

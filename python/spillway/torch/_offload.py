@@ -13,13 +13,17 @@ How it works, and the contracts it keeps:
   modules) is stored once; each module that holds it acquires that unit.
 - Hooks. A forward pre-hook acquires the module's units on the current stream (CUDA: torch's
   current stream; emu: the context's default stream, then a synchronize because CPU torch runs
-  synchronously) and points each tensor's .data at a view of the device copy; the forward hook
-  points them back at the host views and releases on the same stream. Acquisitions are counted
-  per unit, so nested and repeated calls are safe. No host synchronization on the CUDA path.
+  synchronously) and points the module at the device copy: each module holding an offloaded
+  parameter gets a device tensor in its _parameters dict in place of the Parameter (a dict
+  store; the Parameter object itself stays the host view), and each buffer's .data is set to a
+  device tensor (buffers keep their identity: modules alias and re-register them). The forward
+  hook puts the Parameters and host views back and releases on the same stream. Acquisitions
+  are counted per unit, so nested and repeated calls are safe. No host synchronization on the
+  CUDA path. A parameter that a module replaces during its forward is left to it.
 - Each tensor has two device tensors for the offload's life, each over one of its unit's two
   most recent device addresses. When the unit comes back at one of them an acquire costs one
-  ctypes call plus a .data assignment per tensor; at another address, also one storage over
-  the unit and a Tensor.set_ per tensor.
+  ctypes call plus a dict store per parameter holder; at another address, also one storage
+  over the unit and a Tensor.set_ per tensor.
 - One call of the top-level module is one plan step (step_begin/step_end around its forward),
   unless the caller marks steps with `with off.step():`.
 - Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
@@ -33,13 +37,15 @@ How it works, and the contracts it keeps:
   its new contents are written through to the host copy, so nothing is lost; this costs a
   device-to-host copy, so modules that update buffers every call (batch norm in training) are
   better left out with blocks=[...]. A module that replaces a buffer object is not supported.
-- Weights read directly by a parent's forward (self.child.weight, not through child(...)) are
-  not covered by any hook: on CUDA they would be host tensors and torch raises a device mismatch.
+- Weights read directly by a parent's forward (self.child.weight, not through child(...)), or
+  through a reference kept outside the modules' parameter dicts, are not covered by any hook:
+  on CUDA they are host tensors and torch raises a device mismatch.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import time
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -52,7 +58,8 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
-from ._units import _Saved, _Unit, _align, _default_blocks, _module_names, _plan_units, _storage_at
+from ._units import (_DevSet, _Saved, _Unit, _align, _default_blocks, _module_names, _param_owners, _plan_units,
+                     _storage_at)
 
 _lib_c = _lib.lib
 _PAGE = 4096
@@ -197,6 +204,11 @@ class Offload:
             # weights already on this device leave it when they move to the host copy
             free += sum(e.nbytes for u in units for e in u.entries if e.tensor.device == dev)
             ctx_opts.setdefault("device", dev.index)
+            # Under plan most of an acquire's host time was enqueuing the next block's upload; the
+            # library's worker thread takes it off the hook (H200, a Llama-shaped model: 61 ->
+            # 45 us per block, passes as fast). SPILLWAY_CONF or the call may still say off.
+            if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
+                ctx_opts["prefetch_thread"] = "on"
         else:
             cap = ctx_opts.get("emu_capacity", "80GiB")
             try:
@@ -235,6 +247,8 @@ class Offload:
                 f"offload: budget {format_size(budget_v)} is above the free device memory "
                 f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
         self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
+        # the keyword options the context was created with (none under use_allocator's context)
+        self.context_options: Dict[str, Any] = {} if shared is not None else ctx_opts
 
         self.units = units
         self._needs = needs
@@ -268,8 +282,9 @@ class Offload:
 
         # ---- move: pack and register each unit; undo everything on failure ----
         try:
+            owners = _param_owners(module)
             for u in units:
-                self._pack(u)
+                self._pack(u, owners)
             if backend == "cuda":
                 for _, p in self._trainable:
                     if p.device != dev:
@@ -283,7 +298,7 @@ class Offload:
         _ACTIVE[module] = weakref.ref(self)
         return self
 
-    def _pack(self, u: _Unit) -> None:
+    def _pack(self, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]) -> None:
         # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
         # another allocation that is registered too would make that registration fail.
         reg = _align(u.nbytes, _PAGE)
@@ -300,14 +315,18 @@ class Offload:
         u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
         u.handle = u.buf.handle
         u.pack = raw
-        u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries)
+        u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries if e.is_buffer)
         # Made here, once: normal tensors (not inference tensors, whatever mode offload() runs
         # in), usable with autograd. Re-pointing them then needs no inference_mode(False) switch,
         # which cost 16 of a re-point's 41 us on the H200.
-        with torch.inference_mode(False):
-            sets = [tuple((e.tensor, torch.empty(0, dtype=e.dtype, device=self.device)) for e in u.entries)
-                    for _ in range(_DEV_SETS)]
-        u.dev_pairs, u.dev_spare = sets[0], [(0, p) for p in sets[1:]]
+        sets: List[_DevSet] = []
+        for _ in range(_DEV_SETS):
+            with torch.inference_mode(False):
+                devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
+            slots = tuple((d, k, v, e.tensor) for e, v in zip(u.entries, devs) if not e.is_buffer
+                          for d, k in owners.get(id(e.tensor), ()))
+            sets.append((devs, slots, tuple((e.tensor, v) for e, v in zip(u.entries, devs) if e.is_buffer)))
+        u.dev_set, u.dev_spare = sets[0], [(0, x) for x in sets[1:]]
         for e in u.entries:
             e.tensor.data = e.host_view
 
@@ -331,13 +350,13 @@ class Offload:
         self._orig_class = cls
 
     def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
+        self._top_units = self._needs.get(id(module), [])
         for m in hooked:
             if m is module:
                 continue  # the top level acquires its own units inside its forward wrapper
             units = self._needs[id(m)]
             self._hooks.append(m.register_forward_pre_hook(self._make_pre(units)))
             self._hooks.append(m.register_forward_hook(self._make_post(units)))
-        self._top_units = self._needs.get(id(module), [])
         self._swap_device_property(module)
         self._had_forward_attr = "forward" in module.__dict__
         self._old_forward_attr = module.__dict__.get("forward")
@@ -361,9 +380,9 @@ class Offload:
     # ------------------------------------------------------------------ hot path
     # Each block costs a pre-hook and a forward hook per forward, on the host, before its kernels
     # are enqueued. So an acquire is one ctypes call (two on emu), an address compare and one
-    # .data assignment per tensor, and a release the reverse: the functions are bound at
-    # offload(), a unit's (tensor, device tensor) pairs are built once and re-pointed when the
-    # unit moves to a third address, and the hooks allocate nothing for a unit of parameters
+    # dict store per parameter holder, and a release the reverse: the functions are bound at
+    # offload(), a unit's device tensors are built once and re-pointed when the unit moves to
+    # a third address, and the hooks allocate nothing for a unit of parameters
     # whose module returns one tensor.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on
@@ -378,27 +397,26 @@ class Offload:
     def _stream(self) -> Optional[int]:
         return self._raw_stream(self._dev_index) or None
 
-    def _point(self, u: _Unit, ptr: int) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
-        """u's (entry tensor, device tensor) pairs over u at address ptr, made current. A unit
-        has _DEV_SETS sets of device tensors, each over one of its recent addresses; one found
-        at none of them re-points the least recently used set: one storage and one Tensor.set_
-        per entry."""
+    def _point(self, u: _Unit, ptr: int) -> _DevSet:
+        """u's set of device tensors over u at address ptr, made current. A unit has _DEV_SETS
+        sets, each over one of its recent addresses; one found at none of them re-points the
+        least recently used set: one storage and one Tensor.set_ per entry."""
         if u.dev_at == ptr:
-            return u.dev_pairs
+            return u.dev_set
         spare = u.dev_spare
-        for i, (at, pairs) in enumerate(spare):
+        for i, (at, dset) in enumerate(spare):
             if at == ptr:
-                spare[i] = (u.dev_at, u.dev_pairs)
-                u.dev_at, u.dev_pairs = ptr, pairs
-                return pairs
+                spare[i] = (u.dev_at, u.dev_set)
+                u.dev_at, u.dev_set = ptr, dset
+                return dset
         self.view_builds += 1
-        _, pairs = spare.pop()
+        _, dset = spare.pop()
         storage = _storage_at(ptr, u.nbytes, self.device)
-        for e, (_, d) in zip(u.entries, pairs):
+        for e, d in zip(u.entries, dset[0]):
             d.set_(storage, e.elem_offset, e.shape, e.stride)
-        spare.insert(0, (u.dev_at, u.dev_pairs))
-        u.dev_at, u.dev_pairs = ptr, pairs
-        return pairs
+        spare.insert(0, (u.dev_at, u.dev_set))
+        u.dev_at, u.dev_set = ptr, dset
+        return dset
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
         """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
@@ -434,14 +452,16 @@ class Offload:
             return
         stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
-        pairs = u.dev_pairs
+        dset = u.dev_set
         if u.dev_at != ptr:
             try:
-                pairs = self._point(u, ptr)
+                dset = self._point(u, ptr)
             except BaseException:
                 self._c_release(u.handle, stream)
                 raise
-        for t, v in pairs:
+        for d, k, v, _ in dset[1]:
+            d[k] = v
+        for t, v in dset[2]:
             t.data = v
         if u.buffer_entries:
             u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
@@ -458,13 +478,26 @@ class Offload:
             return
         if u.buffer_entries:
             self._write_back(u)
-        for t, h in u.host_pairs:
-            t.data = h
+            for t, h in u.host_pairs:
+                t.data = h
+        for d, k, v, p in u.dev_set[1]:
+            if d[k] is v:
+                d[k] = p
+            else:  # the module replaced the parameter during its forward: it keeps its own
+                self._forget_slot(u, d, k)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
         st = self._c_release(u.handle, u.stream)
         if st:
             raise error_for(st)
+
+    def _forget_slot(self, u: _Unit, d: Dict[str, Any], k: str) -> None:
+        """Stop swapping d[k]: the module stored a tensor of its own there during a forward."""
+        def drop(dset: _DevSet) -> _DevSet:
+            return dset[0], tuple(x for x in dset[1] if x[0] is not d or x[1] != k), dset[2]
+
+        u.dev_set = drop(u.dev_set)
+        u.dev_spare = [(at, drop(x)) for at, x in u.dev_spare]
 
     def _write_back(self, u: _Unit) -> None:
         for e, ver in u.versions:
@@ -473,13 +506,20 @@ class Offload:
                     e.host_view.copy_(e.tensor.data)
                 self.buffer_writebacks += 1
 
+    def _hook_units(self, units: List[_Unit]) -> Tuple[Tuple[_Unit, ...], Tuple[_Unit, ...]]:
+        """(every unit of a hook, those the top level does not hold for the whole step): inside
+        the top-level forward a hook leaves out the second kind (the blocks' shared unit of
+        small tensors), which cannot be released before the step ends anyway."""
+        return tuple(units), tuple(u for u in units if u not in self._top_units)
+
     def _make_pre(self, units: List[_Unit]) -> Any:
-        units_t = tuple(units)
+        every, inner = self._hook_units(units)
         acquire = self._acquire
         clock = time.perf_counter_ns
 
         def pre_hook(mod: nn.Module, args: Any) -> None:
             t0 = clock()
+            units_t = inner if self._depth else every
             done = 0
             try:
                 for u in units_t:
@@ -495,14 +535,15 @@ class Offload:
         return pre_hook
 
     def _make_post(self, units: List[_Unit]) -> Any:
-        units_t = tuple(units)
-        backwards = units_t[::-1]
+        every, inner = self._hook_units(units)
+        every_back, inner_back = every[::-1], inner[::-1]
         release = self._release
         clock = time.perf_counter_ns
         tensor = torch.Tensor
 
         def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
             t0 = clock()
+            units_t, backwards = (inner, inner_back) if self._depth else (every, every_back)
             try:
                 if isinstance(output, tensor):  # the common case, without the generic walk
                     p = output.data_ptr()
@@ -755,7 +796,7 @@ class Offload:
                 e.tensor.data = fresh
                 e.host_view = None
             u.host_pairs = ()
-            u.dev_pairs, u.dev_spare = (), []
+            u.dev_set, u.dev_spare = None, []
             u.dev_at = 0
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)

@@ -85,7 +85,7 @@ class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
-                 "stream", "devptr", "versions", "host_pairs", "dev_pairs", "dev_at", "dev_spare")
+                 "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_spare")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -100,15 +100,15 @@ class _Unit:
         self.stream: Optional[int] = None
         self.devptr = 0
         self.versions: List[Tuple[_Entry, int]] = []
-        # (entry.tensor, its host view) for each entry: what release points the tensors back at
+        # (buffer, its host view) for each buffer entry: what release points buffers back at
         self.host_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
-        # (entry.tensor, its device tensor) for each entry, the device tensors over the unit at
-        # device address dev_at; dev_spare: other such sets as (address, pairs), most recently
-        # used first (address 0: not pointed yet). Made once; a set is re-pointed (Tensor.set_)
-        # when the unit comes back at none of their addresses.
-        self.dev_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+        # The device tensors over the unit at device address dev_at, as a _DevSet; dev_spare:
+        # other such sets as (address, set), most recently used first (address 0: not pointed
+        # yet). Made once; a set is re-pointed (Tensor.set_) when the unit comes back at none of
+        # their addresses.
+        self.dev_set: Optional[_DevSet] = None
         self.dev_at = 0
-        self.dev_spare: List[Tuple[int, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]] = []
+        self.dev_spare: List[Tuple[int, _DevSet]] = []
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)
@@ -117,6 +117,29 @@ class _Unit:
         self.entries.append(entry)
         if entry.is_buffer:
             self.buffer_entries.append(entry)
+
+
+# One set of device tensors of a unit: (devs, slots, buffer_pairs). devs: a device tensor per
+# entry, in entry order. slots: (module._parameters, name, device tensor, the parameter) for
+# every module that holds a parameter entry: during a forward the module's dict holds the device
+# tensor, outside it the parameter (whose .data is its host view), so the swap is a dict store
+# and not a .data assignment (a C call that checks and copies the tensor's metadata).
+# buffer_pairs: (buffer, device tensor) for each buffer entry: buffers keep their identity (.data
+# is swapped), since modules alias them (a rotary table kept as a plain attribute too) and
+# re-register them during forward.
+_DevSet = Tuple[Tuple[torch.Tensor, ...], Tuple[Tuple[Dict[str, Any], str, torch.Tensor, torch.Tensor], ...],
+                Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]
+
+
+def _param_owners(module: nn.Module) -> Dict[int, List[Tuple[Dict[str, Any], str]]]:
+    """id(parameter) -> (module._parameters, name) for every module of module that holds it (a
+    tied weight: several)."""
+    owners: Dict[int, List[Tuple[Dict[str, Any], str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m._parameters, name))
+    return owners
 
 
 class _Saved:
