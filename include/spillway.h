@@ -238,7 +238,10 @@ SPW_API size_t spw_buf_size(const spw_buf *buf);
  * migration's page work inside that call (2.5-3.6 ms per 128 MiB measured on an H200), so an
  * acquire or prefetch of a managed buffer can hold the calling thread that long. */
 SPW_API spw_status spw_acquire(spw_buf *buf, spw_stream stream, spw_access mode, void **devptr);
-/* End the use begun by spw_acquire: records the last use on stream, without blocking. */
+/* End the use begun by spw_acquire: records the last use on stream, without blocking. With
+ * prefetch_thread=on the library's worker may enqueue that record a little later (never before
+ * the use): stream must then stay valid until the next spw_step_end, the buffer's eviction or
+ * destruction, or spw_ctx_destroy. */
 SPW_API spw_status spw_release(spw_buf *buf, spw_stream stream);
 /* Hints: start moving buf to the device (ordered before later work on stream) / off it.
  * spw_prefetch returns SPW_OK and moves nothing when the budget has no room that the policy

@@ -139,6 +139,7 @@ static void quarantine(struct spw_engine *e, spw_buf *b) {
 /* Free everything of b; its transfers are complete (the caller waited). Lock held. */
 static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     struct spw_engine *e = ctx->engine;
+    spw__pf_unmark(ctx, b); /* the worker's list must not keep it */
     if (b->acq) spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
     b->acq = 0;
     if (b->resident) spw__res_drop_device(ctx, b);
@@ -482,14 +483,17 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
         return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is not acquired (released twice?)", fn,
                           (unsigned long long)b->id);
     }
-    /* the use on s becomes the device copy's last touch, chained after any other stream's */
-    if ((st = spw__copy_order_dev(ctx, b, s)) || (st = spw__copy_record_dev(ctx, b, s))) {
+    /* the use on s becomes the device copy's last touch, chained after any other stream's; its
+     * record is left to the prefetch worker when there is one (prefetch_thread.c) */
+    bool marked = false;
+    if ((st = spw__copy_order_dev(ctx, b, s)) ||
+        (!(marked = e->streams_ok && spw__pf_mark(ctx, b)) && (st = spw__copy_record_dev(ctx, b, s)))) {
         leave(b);
         return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
                                  fn, (unsigned long long)b->id, (void *)s);
     }
     b->dev_s = s;
-    b->dev_rec = true;
+    b->dev_rec = !marked;
     b->dev_touched = true;
     b->xfer = false;
     if (--b->acq == 0) {

@@ -23,6 +23,9 @@
  * ev_host keeps the upload's record. One event record per transfer, as a hand-written loop.
  * Consequence: two streams using one buffer at once are chained at release (the second
  * release waits for the first's use). Correct, at the price of a false dependency in that case.
+ * With the prefetch worker (prefetch_thread=on) a release may leave its record of ev_dev to the
+ * worker (`marking`): until then the buffer is in the lazy state above with dev_s the caller's
+ * stream, which every path that needs the record resolves by recording it itself.
  *
  * Read-only managed buffers (read-mostly replicas, residency.c): made resident with advice
  * "preferred location device" + "read-mostly" and a prefetch to the device, which makes a
@@ -88,6 +91,7 @@ struct spw_buf {
     bool dev_waited;       /* dev_waiter already waits on the current record of ev_dev */
     spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
+    bool marking;     /* released with its record left to the prefetch worker (dev_rec false) */
     bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
     unsigned untracked;
 
@@ -146,12 +150,23 @@ void spw__res_collapse_poll(spw_ctx *ctx);
  * polls. */
 bool spw__pf_post(spw_ctx *ctx);
 /* Context lock held: a step begins (the worker polls until it ends) or ends (a prefetch still
- * pending is dropped: the step boundary's own prefetch follows). */
+ * pending is dropped: the step boundary's own prefetch follows; marks still pending are
+ * recorded). */
 void spw__pf_step(spw_ctx *ctx, bool begin);
 /* Context lock NOT held: stop and join the worker, if any (engine teardown). */
 void spw__pf_stop(spw_ctx *ctx);
 /* Prefetch calls the worker has made (tests). */
 uint64_t spw__pf_runs(spw_ctx *ctx);
+/* Context lock held, from spw_release after ordering b on s: true if recording b's last use on
+ * s (ev_dev) is left to the worker, which does it before its next prefetch; b then has dev_rec
+ * false and `marking` set until it is recorded. False (the caller records) without a worker,
+ * for managed buffers, or when the worker's list is full. */
+bool spw__pf_mark(spw_ctx *ctx, spw_buf *b);
+/* Context lock held: record b's last use now if a mark is still pending (an eviction, a
+ * teardown), so that every other path sees the state it would without the worker. */
+void spw__pf_unmark(spw_ctx *ctx, spw_buf *b);
+/* Marks the worker has recorded (tests). */
+uint64_t spw__pf_marked(spw_ctx *ctx);
 
 /* ---- hostmem.c: pinned host pool (context lock held) ---- */
 spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);

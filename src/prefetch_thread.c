@@ -20,6 +20,16 @@
  *   core between polls, so a post takes no system call; outside steps it sleeps on a condition
  *   variable, and a post (or step begin) signals it.
  * - Errors of a prefetch are dropped, as the acquiring call dropped them: a prefetch is a hint.
+ * - Release marks: spw_release leaves the record of a buffer's last use (an event on the
+ *   caller's stream, the call's main cost) to the worker, which records every pending mark
+ *   before anything else, so the event lands right after the use as the release would have put
+ *   it, give or take the work the caller enqueued meanwhile (later, never earlier: safe).
+ *   Until then the buffer is in the lazy state every path already handles (dev_rec false, last
+ *   touch in stream order on dev_s); an eviction or teardown that comes first records it
+ *   itself (spw__pf_unmark), so what follows is what it would be without the worker.
+ *   Contract: the stream of such a release must stay valid until the next spw_step_end, the
+ *   buffer's eviction or destruction, or the context's destruction: each of them records what
+ *   is still pending.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -28,7 +38,13 @@
 
 #include "engine.h"
 
+enum { PF_MARKS = 64 };
+
 struct spw_pf {
+    spw_buf *marks[PF_MARKS]; /* released buffers whose last use is not yet recorded (lock) */
+    int nmarks;
+    atomic_bool marked;    /* marks were added since the worker last took them */
+    atomic_ullong nrec;    /* marks recorded by the worker (tests) */
     pthread_t thread;
     pthread_cond_t wake;
     atomic_bool pending;   /* posts since the worker's last prefetch */
@@ -39,11 +55,31 @@ struct spw_pf {
     bool failed;           /* the thread could not be started: callers prefetch themselves */
 };
 
+/* Lock held: record b's last use on dev_s, if it is still unrecorded. A failed record leaves
+ * the lazy state, which every path handles (it only costs exactness). */
+static void mark_record(spw_ctx *ctx, spw_buf *b) {
+    b->marking = false;
+    if (b->dev_rec || !b->dev_touched) return;
+    if (spw__copy_record_dev(ctx, b, b->dev_s)) spw__error_clear();
+    else b->dev_rec = true;
+}
+
+/* Lock held: record every pending mark. */
+static void marks_record(spw_ctx *ctx, struct spw_pf *w) {
+    for (int i = 0; i < w->nmarks; i++) mark_record(ctx, w->marks[i]);
+    atomic_fetch_add(&w->nrec, (unsigned long long)w->nmarks);
+    w->nmarks = 0;
+}
+
 static void *pf_main(void *arg) {
     spw_ctx *ctx = arg;
     struct spw_pf *w = ctx->engine->pf;
     pthread_mutex_lock(&ctx->lock);
     while (!atomic_load(&w->stop)) {
+        if (atomic_exchange(&w->marked, false)) {
+            marks_record(ctx, w);
+            continue;
+        }
         if (atomic_exchange(&w->pending, false)) {
             struct spw_engine *e = ctx->engine;
             e->pops->prefetch(e->pol, ctx, true);
@@ -53,7 +89,8 @@ static void *pf_main(void *arg) {
         }
         if (atomic_load(&w->step_open)) {
             pthread_mutex_unlock(&ctx->lock);
-            while (atomic_load(&w->step_open) && !atomic_load(&w->pending) && !atomic_load(&w->stop))
+            while (atomic_load(&w->step_open) && !atomic_load(&w->pending) && !atomic_load(&w->marked) &&
+                   !atomic_load(&w->stop))
                 sched_yield();
             pthread_mutex_lock(&ctx->lock);
             continue;
@@ -76,6 +113,8 @@ static struct spw_pf *pf_get(spw_ctx *ctx) {
     atomic_init(&w->step_open, false);
     atomic_init(&w->stop, false);
     atomic_init(&w->runs, 0);
+    atomic_init(&w->marked, false);
+    atomic_init(&w->nrec, 0);
     e->pf = w;
     if (pthread_cond_init(&w->wake, NULL)) {
         w->failed = true;
@@ -103,6 +142,37 @@ bool spw__pf_post(spw_ctx *ctx) {
     return true;
 }
 
+bool spw__pf_mark(spw_ctx *ctx, spw_buf *b) {
+    if (!ctx->cfg.prefetch_thread || b->managed) return false;
+    struct spw_pf *w = pf_get(ctx);
+    if (!w) return false;
+    if (!b->marking) {
+        if (w->nmarks == PF_MARKS) return false;
+        w->marks[w->nmarks++] = b;
+        b->marking = true;
+    }
+    atomic_store(&w->marked, true);
+    if (w->sleeping) pthread_cond_signal(&w->wake);
+    return true;
+}
+
+void spw__pf_unmark(spw_ctx *ctx, spw_buf *b) {
+    if (!b->marking) return;
+    struct spw_pf *w = ctx->engine->pf;
+    for (int i = 0; i < w->nmarks; i++) {
+        if (w->marks[i] == b) {
+            w->marks[i] = w->marks[--w->nmarks];
+            break;
+        }
+    }
+    mark_record(ctx, b);
+}
+
+uint64_t spw__pf_marked(spw_ctx *ctx) {
+    struct spw_pf *w = ctx->engine->pf;
+    return w ? (uint64_t)atomic_load(&w->nrec) : 0;
+}
+
 void spw__pf_step(spw_ctx *ctx, bool begin) {
     struct spw_pf *w = ctx->engine->pf;
     if (!w || w->failed) return;
@@ -111,6 +181,7 @@ void spw__pf_step(spw_ctx *ctx, bool begin) {
         if (w->sleeping) pthread_cond_signal(&w->wake);
     } else {
         atomic_store(&w->pending, false);
+        marks_record(ctx, w); /* so that a release's stream need outlive its step only */
     }
 }
 
@@ -124,6 +195,7 @@ void spw__pf_stop(spw_ctx *ctx) {
     if (!w) return;
     if (!w->failed) {
         pthread_mutex_lock(&ctx->lock);
+        marks_record(ctx, w); /* teardown then waits on every buffer's last use as without it */
         atomic_store(&w->stop, true);
         pthread_cond_signal(&w->wake);
         pthread_mutex_unlock(&ctx->lock);

@@ -32,6 +32,7 @@ static void managed_charge(spw_ctx *ctx, spw_buf *b, int sign) {
 
 /* Give the device block back, ordered after every touch: freeing on dev_s (engine.h). */
 static void release_block(spw_ctx *ctx, spw_buf *b) {
+    spw__pf_unmark(ctx, b); /* a last use the worker has not recorded yet: recorded now */
     size_t size = spw__block_size(b->dblock);
     /* Hand the block to the H2D copy stream, ordered after the exact last use (the event
      * recorded at release): the next upload, on that stream, then reuses it at once. Freed on

@@ -1,6 +1,7 @@
 /* The prefetch worker (prefetch_thread=on): policy=plan's after-acquire prefetches issued from a
  * thread of the library. The contents every acquire sees, the prefetches it made, other threads
- * using the context meanwhile, and teardown while it polls or holds a prefetch. emu only (the
+ * using the context meanwhile, teardown while it polls or holds a prefetch, and the records of
+ * releases it makes (a use still running when its buffer is evicted or destroyed). emu only (the
  * byte checks read device memory on the host); a ThreadSanitizer target. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -161,11 +162,83 @@ static void teardown_while_polling_or_pending(void **state) {
     assert_int_equal(atomic_load(&bad), 0);
 }
 
+/* A host function that waits for *gate, then fills n bytes at p with v (a write still running). */
+typedef struct kfill {
+    uint8_t *p;
+    size_t n;
+    uint8_t v;
+    atomic_int *gate;
+} kfill;
+
+static void kfill_cb(void *arg) {
+    kfill *k = arg;
+    while (!atomic_load(k->gate)) {
+        const struct timespec t = {0, 200000};
+        nanosleep(&t, NULL);
+    }
+    memset(k->p, k->v, k->n);
+}
+
+static void releases_leave_their_record_to_the_worker(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_buf *b[NB];
+    spw_ctx *ctx = worker_ctx(b, NULL);
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    run_steps(ctx, b, 6, &bad);
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_true(spw__pf_marked(ctx) > 0); /* the worker recorded the releases' last uses */
+
+    /* A write still running on another stream when its buffer is evicted right after the
+     * release (the mark maybe not yet recorded): the write-back waits for the write, and the
+     * host reads what it wrote. Destroyed right after a release, too. */
+    spw_stream s;
+    assert_ok(spw_stream_create(ctx, &s));
+    spw_buf *w;
+    assert_ok(spw_buf_create(ctx, SZ, 0, &w));
+    test_fill_buf(w, 0x11);
+    uint8_t *tmp = malloc(SZ);
+    assert_non_null(tmp);
+    for (int round = 0; round < 20; round++) {
+        atomic_int gate;
+        atomic_init(&gate, 0);
+        void *d;
+        assert_ok(spw_step_begin(ctx));
+        assert_ok(spw_acquire(w, s, SPW_ACCESS_READ_WRITE, &d));
+        kfill f = {d, SZ, (uint8_t)(0x20 + round), &gate};
+        assert_ok(spw_launch_host(ctx, s, kfill_cb, &f));
+        assert_ok(spw_release(w, s));
+        assert_ok(spw_evict(w));
+        atomic_store(&gate, 1);
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_buf_read(w, 0, tmp, SZ));
+        for (size_t i = 0; i < SZ; i += 4093) assert_int_equal(tmp[i], 0x20 + round);
+        assert_ok(spw_stream_synchronize(ctx, s));
+    }
+    free(tmp);
+    atomic_int gate;
+    atomic_init(&gate, 0);
+    void *d;
+    assert_ok(spw_acquire(w, s, SPW_ACCESS_READ_WRITE, &d));
+    kfill f = {d, SZ, 0x33, &gate};
+    assert_ok(spw_launch_host(ctx, s, kfill_cb, &f));
+    assert_ok(spw_release(w, s));
+    atomic_store(&gate, 1);
+    assert_ok(spw_buf_destroy(w));
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_ok(spw_stream_destroy(ctx, s));
+    assert_ok(spw__arena_check(ctx->large));
+    assert_ok(spw__arena_check(ctx->small));
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(worker_prefetches_the_plan),
         cmocka_unit_test(other_threads_meanwhile),
         cmocka_unit_test(teardown_while_polling_or_pending),
+        cmocka_unit_test(releases_leave_their_record_to_the_worker),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -570,13 +570,16 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
     f0, m0 = v.forwards, v.moved()
     s0 = spillway_figures(v.off) if v.off is not None else None
     reset_peak(cfg)
-    times = []
+    times, per_pass_hook = [], []
     for _ in range(passes - 1):
         sync(cfg)
+        h = (v.off.hook_ns, v.off.acquires) if v.off is not None else None
         t = time.perf_counter()
         out = fn()
         sync(cfg)
         times.append((time.perf_counter() - t) * 1e3)
+        if h is not None and v.off.acquires > h[1]:
+            per_pass_hook.append((v.off.hook_ns - h[0]) / (v.off.acquires - h[1]) / 1e3)
     if ref is not None:
         eq = eq and check(out, ref, what)
     elif not torch.equal(out.cpu(), first):
@@ -591,6 +594,9 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         s1 = spillway_figures(v.off)
         if s1["hook_ns"] is not None and s1["acquires"] is not None and s1["acquires"] > s0["acquires"]:
             r["hook_us"] = (s1["hook_ns"] - s0["hook_ns"]) / (s1["acquires"] - s0["acquires"]) / 1e3
+        r["hook_us_per_pass"] = [round(x, 1) for x in per_pass_hook]
+        if s1["trim_syncs"] is not None and s0["trim_syncs"] is not None:
+            r["trim_syncs_timed"] = s1["trim_syncs"] - s0["trim_syncs"]  # host waits in the timed passes
         r["spillway"] = s1
         r["c_calls"] = c_call_profile(cfg, v.off, fn)
     return r, first
@@ -953,6 +959,9 @@ def print_tables(rows, link_gbps, cfg_of):
             if r.get("spillway"):
                 fig = {k: x for k, x in r["spillway"].items() if k != "stats"}
                 print(f"{'':<18}  spillway_figures: {fig}")
+            if r.get("hook_us_per_pass"):
+                print(f"{'':<18}  hook us per block, pass by pass: {r['hook_us_per_pass']}; host waits of trims "
+                      f"in the timed passes: {r.get('trim_syncs_timed')}")
             if r.get("c_calls"):
                 cc = r["c_calls"]
                 parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"
@@ -978,7 +987,8 @@ def main():
                    help="untimed passes after the validation one, for every variant but accelerate's "
                         "(plan learns in its first step, times its four pipelines over the next twelve, "
                         "and may move to the one it keeps in the step after)")
-    p.add_argument("--prefill-passes", type=int, default=3, help="(b) prefill: passes, first is validation")
+    p.add_argument("--prefill-passes", type=int, default=8, help="(b) prefill: passes, first is validation "
+                   "(accelerate's: at most 3)")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")
     p.add_argument("--search-passes", type=int, default=2, help="(a) static split: timed passes per candidate")
     p.add_argument("--split-fit", choices=["auto", "all", "weights"], default="auto",
