@@ -17,7 +17,8 @@
  *   no acquire waits on a worker that cannot get the lock.
  * - A step boundary drops a pending prefetch (the boundary issues its own).
  * - Wake-ups: while a step is open the worker polls `pending` without the lock, yielding its
- *   core between polls, so a post takes no system call; outside steps it sleeps on a condition
+ *   core between polls, and then takes the lock by trying, so a post takes no system call (not
+ *   even the unlock's wake-up of a blocked worker); outside steps it sleeps on a condition
  *   variable, and a post (or step begin) signals it.
  * - Errors of a prefetch are dropped, as the acquiring call dropped them: a prefetch is a hint.
  * - Release marks: spw_release leaves the record of a buffer's last use (an event on the
@@ -92,7 +93,10 @@ static void *pf_main(void *arg) {
             while (atomic_load(&w->step_open) && !atomic_load(&w->pending) && !atomic_load(&w->marked) &&
                    !atomic_load(&w->stop))
                 sched_yield();
-            pthread_mutex_lock(&ctx->lock);
+            /* A post is made under the lock, so the poster still holds it: wait by trying, not
+             * by blocking, or its unlock would have to wake this thread (a system call in the
+             * caller's acquire or release). */
+            while (pthread_mutex_trylock(&ctx->lock)) sched_yield();
             continue;
         }
         w->sleeping = true;
