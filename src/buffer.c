@@ -485,9 +485,10 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
     }
     /* the use on s becomes the device copy's last touch, chained after any other stream's; its
      * record is left to the prefetch worker when there is one (prefetch_thread.c) */
-    bool marked = false;
-    if ((st = spw__copy_order_dev(ctx, b, s)) ||
-        (!(marked = e->streams_ok && spw__pf_mark(ctx, b)) && (st = spw__copy_record_dev(ctx, b, s)))) {
+    st = spw__copy_order_dev(ctx, b, s);
+    bool marked = !st && e->streams_ok && spw__pf_mark(ctx, b);
+    if (!st && !marked) st = spw__copy_record_dev(ctx, b, s);
+    if (st) {
         leave(b);
         return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
                                  fn, (unsigned long long)b->id, (void *)s);

@@ -49,6 +49,15 @@ static void run_steps(spw_ctx *ctx, spw_buf **b, int steps, atomic_int *bad) {
     }
 }
 
+/* worker_ctx after `steps` checked steps (a plan learned: acquires now post prefetches) */
+static spw_ctx *learned_ctx(spw_buf **b, int steps, atomic_int *bad) {
+    spw_ctx *ctx = worker_ctx(b, NULL);
+    atomic_init(bad, 0);
+    run_steps(ctx, b, steps, bad);
+    assert_int_equal(atomic_load(bad), 0);
+    return ctx;
+}
+
 static void worker_prefetches_the_plan(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -135,10 +144,8 @@ static void teardown_while_polling_or_pending(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
     spw_buf *b[NB];
-    spw_ctx *ctx = worker_ctx(b, NULL);
     atomic_int bad;
-    atomic_init(&bad, 0);
-    run_steps(ctx, b, 4, &bad); /* a plan learned: acquires now post prefetches */
+    spw_ctx *ctx = learned_ctx(b, 4, &bad);
     /* a step left open (the worker polls), buffers destroyed right after an acquire posted one */
     assert_ok(spw_step_begin(ctx));
     void *d;
@@ -183,11 +190,8 @@ static void releases_leave_their_record_to_the_worker(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
     spw_buf *b[NB];
-    spw_ctx *ctx = worker_ctx(b, NULL);
     atomic_int bad;
-    atomic_init(&bad, 0);
-    run_steps(ctx, b, 6, &bad);
-    assert_int_equal(atomic_load(&bad), 0);
+    spw_ctx *ctx = learned_ctx(b, 6, &bad);
     assert_true(spw__pf_marked(ctx) > 0); /* the worker recorded the releases' last uses */
 
     /* A write still running on another stream when its buffer is evicted right after the
