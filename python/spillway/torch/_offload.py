@@ -204,9 +204,10 @@ class Offload:
             # weights already on this device leave it when they move to the host copy
             free += sum(e.nbytes for u in units for e in u.entries if e.tensor.device == dev)
             ctx_opts.setdefault("device", dev.index)
-            # Under plan most of an acquire's host time was enqueuing the next block's upload; the
-            # library's worker thread takes it off the hook (H200, a Llama-shaped model: 61 ->
-            # 45 us per block, passes as fast). SPILLWAY_CONF or the call may still say off.
+            # Under plan most of the hooks' C time was enqueuing the next block's upload (acquire)
+            # and the last-use event (release); the library's worker thread issues both (H200, a
+            # Llama-shaped model, one machine: 48-51 -> 28-37 us of hooks per block, passes as
+            # fast). SPILLWAY_CONF or the call may still say off.
             if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
                 ctx_opts["prefetch_thread"] = "on"
         else:
