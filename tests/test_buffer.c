@@ -12,17 +12,8 @@
 
 /* ---- host "kernels" ---- */
 
-typedef struct kfill {
-    uint8_t *p;
-    size_t n;
-    uint8_t v;
-} kfill;
-static void fill_cb(void *a) {
-    kfill *k = a;
-    memset(k->p, k->v, k->n);
-}
 static void add_cb(void *a) { /* read-modify-write: every byte += v */
-    kfill *k = a;
+    test_kfill *k = a;
     for (size_t i = 0; i < k->n; i++) k->p[i] = (uint8_t)(k->p[i] + k->v);
 }
 typedef struct kcopy {
@@ -78,7 +69,7 @@ static void test_states(void **state) {
     /* clean -> dirty (READ_WRITE) */
     assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ_WRITE, &d));
     assert_false(b->hv);
-    kfill kf = {d, MiB, 1};
+    test_kfill kf = {d, MiB, 1, NULL};
     assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
     assert_ok(spw_release(b, NULL));
     /* dirty -> host (write-back) */
@@ -97,7 +88,7 @@ static void test_states(void **state) {
     assert_int_equal(s0.bytes_h2d.total, s1.bytes_h2d.total); /* no upload */
     kf.p = d;
     kf.v = 9;
-    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &kf));
     assert_ok(spw_release(b, NULL));
     check_contents(b, 9);
     assert_true(b->resident && b->hv && b->dv);
@@ -130,7 +121,7 @@ static void test_states(void **state) {
     assert_int_equal(s0.bytes_h2d.total, s1.bytes_h2d.total);
     kf.p = d;
     kf.v = 3;
-    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &kf));
     assert_ok(spw_release(b, NULL));
     check_contents(b, 3);
     /* partial host write into a dirty resident buffer keeps the rest */
@@ -257,7 +248,7 @@ static void test_pressure(void **state) {
     for (int round = 0; round < 3; round++)
         for (int i = 0; i < N; i++) {
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
-            kfill kf = {d, MiB, 1};
+            test_kfill kf = {d, MiB, 1, NULL};
             assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
             assert_ok(spw_release(b[i], NULL));
             assert_ok(spw_stream_synchronize(ctx, NULL)); /* kf lives on this frame */
@@ -369,7 +360,7 @@ static void test_managed(void **state) {
     for (int r = 0; r < 2; r++)
         for (int i = 1; i < N; i++) {
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
-            kfill kf = {d, MiB, 1};
+            test_kfill kf = {d, MiB, 1, NULL};
             assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
             assert_ok(spw_release(b[i], NULL));
             assert_ok(spw_stream_synchronize(ctx, NULL));
@@ -405,8 +396,8 @@ static void test_destroy_failure_keeps_buffer(void **state) {
     assert_ok(spw_buf_create(ctx, MiB, 0, &b));
     void *d;
     assert_ok(spw_acquire(b, NULL, SPW_ACCESS_WRITE, &d));
-    kfill kf = {d, MiB, 0x5a};
-    assert_ok(spw_launch_host(ctx, NULL, fill_cb, &kf));
+    test_kfill kf = {d, MiB, 0x5a, NULL};
+    assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &kf));
     assert_ok(spw_release(b, NULL));
     assert_ok(spw_evict(b)); /* write-back in flight (or done): the destroy must wait for it */
     spw__emu_inject(ctx->backend, SPW_CALL_EVENT_SYNC, 1, 1);

@@ -18,16 +18,6 @@ static spw_ctx *plan_ctx(void) {
 }
 
 
-typedef struct kfill {
-    void *d;
-    uint8_t v;
-} kfill;
-
-static void fill_cb(void *a) {
-    kfill *k = a;
-    memset(k->d, k->v, SZ);
-}
-
 static void touch(spw_ctx *ctx, spw_buf *b, spw_access mode) {
     void *d;
     assert_ok(spw_acquire(b, NULL, mode, &d));
@@ -113,8 +103,8 @@ static void dead_data_not_written_back(void **state) {
             assert_ok(spw_step_begin(ctx));
             void *d;
             assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_WRITE, &d));
-            kfill k = {d, (uint8_t)(0x10 + s)};
-            assert_ok(spw_launch_host(ctx, NULL, fill_cb, &k));
+            test_kfill k = {d, SZ, (uint8_t)(0x10 + s), NULL};
+            assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &k));
             assert_ok(spw_release(b[0], NULL));
             for (int i = 1; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
             assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d)); /* A read after 3 others */
@@ -219,8 +209,8 @@ static void buffers_created_inside_a_step(void **state) {
         touch(ctx, w[0], SPW_ACCESS_READ);
         void *d;
         assert_ok(spw_acquire(t, NULL, SPW_ACCESS_WRITE, &d));
-        kfill k = {d, (uint8_t)(0x40 + s)};
-        assert_ok(spw_launch_host(ctx, NULL, fill_cb, &k));
+        test_kfill k = {d, SZ, (uint8_t)(0x40 + s), NULL};
+        assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &k));
         assert_ok(spw_release(t, NULL));
         touch(ctx, w[1], SPW_ACCESS_READ);
         touch(ctx, t, SPW_ACCESS_READ);
@@ -266,8 +256,8 @@ static void no_data_loss_under_faults(void **state) {
                         assert_true(strlen(spw_last_error()) > 0);
                         continue;
                     }
-                    kfill k = {d, (uint8_t)(want[i] + 16)};
-                    st = spw_launch_host(ctx, NULL, fill_cb, &k);
+                    test_kfill k = {d, SZ, (uint8_t)(want[i] + 16), NULL};
+                    st = spw_launch_host(ctx, NULL, test_kfill_cb, &k);
                     if (!st) want[i] = (uint8_t)(want[i] + 16);
                     else fired++;
                     for (int tries = 0; spw_release(b[i], NULL) != SPW_OK; tries++) {
@@ -366,8 +356,8 @@ static void prefetch_across_steps(void **state) {
             for (int i = 0; i < 3; i++) touch(ctx, b[i], SPW_ACCESS_READ);
             void *d;
             assert_ok(spw_acquire(b[3], NULL, written ? SPW_ACCESS_WRITE : SPW_ACCESS_READ, &d));
-            kfill k = {d, s};
-            if (written) assert_ok(spw_launch_host(ctx, NULL, fill_cb, &k));
+            test_kfill k = {d, SZ, s, NULL};
+            if (written) assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &k));
             assert_ok(spw_release(b[3], NULL));
             assert_ok(spw_stream_synchronize(ctx, NULL));
             spw_stats before = test_stats(ctx);
@@ -417,8 +407,8 @@ static void prefetch_costs_at_most_one_buffer(void **state) {
             for (int i = 0; i < NB; i++) {
                 void *d;
                 assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ_WRITE, &d));
-                kfill k = {d, (uint8_t)(i + 16 * (s + 1))};
-                assert_ok(spw_launch_host(ctx, NULL, fill_cb, &k));
+                test_kfill k = {d, SZ, (uint8_t)(i + 16 * (s + 1)), NULL};
+                assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &k));
                 assert_ok(spw_release(b[i], NULL));
                 assert_ok(spw_stream_synchronize(ctx, NULL));
             }

@@ -169,23 +169,6 @@ static void teardown_while_polling_or_pending(void **state) {
     assert_int_equal(atomic_load(&bad), 0);
 }
 
-/* A host function that waits for *gate, then fills n bytes at p with v (a write still running). */
-typedef struct kfill {
-    uint8_t *p;
-    size_t n;
-    uint8_t v;
-    atomic_int *gate;
-} kfill;
-
-static void kfill_cb(void *arg) {
-    kfill *k = arg;
-    while (!atomic_load(k->gate)) {
-        const struct timespec t = {0, 200000};
-        nanosleep(&t, NULL);
-    }
-    memset(k->p, k->v, k->n);
-}
-
 static void releases_leave_their_record_to_the_worker(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -210,8 +193,8 @@ static void releases_leave_their_record_to_the_worker(void **state) {
         void *d;
         assert_ok(spw_step_begin(ctx));
         assert_ok(spw_acquire(w, s, SPW_ACCESS_READ_WRITE, &d));
-        kfill f = {d, SZ, (uint8_t)(0x20 + round), &gate};
-        assert_ok(spw_launch_host(ctx, s, kfill_cb, &f));
+        test_kfill f = {d, SZ, (uint8_t)(0x20 + round), &gate};
+        assert_ok(spw_launch_host(ctx, s, test_kfill_cb, &f));
         assert_ok(spw_release(w, s));
         assert_ok(spw_evict(w));
         atomic_store(&gate, 1);
@@ -225,8 +208,8 @@ static void releases_leave_their_record_to_the_worker(void **state) {
     atomic_init(&gate, 0);
     void *d;
     assert_ok(spw_acquire(w, s, SPW_ACCESS_READ_WRITE, &d));
-    kfill f = {d, SZ, 0x33, &gate};
-    assert_ok(spw_launch_host(ctx, s, kfill_cb, &f));
+    test_kfill f = {d, SZ, 0x33, &gate};
+    assert_ok(spw_launch_host(ctx, s, test_kfill_cb, &f));
     assert_ok(spw_release(w, s));
     atomic_store(&gate, 1);
     assert_ok(spw_buf_destroy(w));

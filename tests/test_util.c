@@ -69,9 +69,19 @@ char *test_summary(spw_ctx *ctx, int json) {
     return text;
 }
 
+static void wait_gate(_Atomic int *gate) {
+    while (gate && !atomic_load(gate)) usleep(200);
+}
+
+void test_kfill_cb(void *arg) {
+    test_kfill *k = arg;
+    wait_gate(k->gate);
+    memset(k->p, k->v, k->n);
+}
+
 void test_kcheck_cb(void *arg) {
     test_kcheck *k = arg;
-    while (k->gate && !atomic_load(k->gate)) usleep(200);
+    wait_gate(k->gate);
     for (size_t i = 0; i < k->n; i++)
         if (k->p[i] != k->v) {
             atomic_store(k->bad, 1);

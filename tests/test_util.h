@@ -54,6 +54,15 @@ typedef struct test_kcheck {
     _Atomic int *bad;
 } test_kcheck;
 void test_kcheck_cb(void *arg);
+/* A host function that fills n bytes at p with v; with `gate` set it first waits until *gate is
+ * nonzero (a write still running). */
+typedef struct test_kfill {
+    uint8_t *p;
+    size_t n;
+    uint8_t v;
+    _Atomic int *gate;
+} test_kfill;
+void test_kfill_cb(void *arg);
 /* Fill buffer b's contents with v (spw_buf_write). */
 void test_fill_buf(spw_buf *b, uint8_t v);
 

@@ -577,12 +577,15 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         out = fn()
         sync(cfg)
         extra = 1
-    h0 = (v.off.hook_ns, v.off.acquires) if v.off is not None else None
+    def hooks():  # the offload's own counters: (host ns in its hooks, acquires)
+        return (v.off.hook_ns, v.off.acquires) if v.off is not None else None
+
+    h0 = hooks()
     reset_peak(cfg)
     times, per_pass_hook = [], []
     for _ in range(passes - 1):
         sync(cfg)
-        h = (v.off.hook_ns, v.off.acquires) if v.off is not None else None
+        h = hooks()
         t = time.perf_counter()
         out = fn()
         sync(cfg)
@@ -595,7 +598,7 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         raise RuntimeError(f"{what}: the resident model is not deterministic across passes")
     r = dict(ms=statistics.median(times), passes=len(times), equal=eq,
              peak_bytes=torch_peak(cfg))
-    h1 = (v.off.hook_ns, v.off.acquires) if v.off is not None else None
+    h1 = hooks()
     fw = v.forwards - f0
     m1 = v.moved()
     r["forwards_per_pass"] = fw / (len(times) + extra)

@@ -70,7 +70,7 @@ class _Entry:
         self.tensor = tensor
         self.name = name
         self.offset = 0
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = _nbytes(tensor)
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.orig_stride = tuple(tensor.stride())
