@@ -170,7 +170,9 @@ typedef struct spw_counter {
     X(plan_divergences, 0, "policy=plan: steps that left the plan (then LRU for the step)")   \
     X(plan_prefetch_bytes, 1, "policy=plan: bytes prefetched ahead of the caller")            \
     X(plan_prefetch_used, 1, "policy=plan: prefetched bytes that were then acquired")         \
-    X(plan_prefetch_wasted, 1, "policy=plan: prefetched bytes evicted before any use")
+    X(plan_prefetch_wasted, 1, "policy=plan: prefetched bytes evicted before any use")         \
+    X(lock_waits, 0, "buffer calls that found the context lock held by another thread")         \
+    X(lock_wait_ns, 0, "nanoseconds those calls waited for the context lock")
 
 typedef struct spw_stats {
 #define SPW_STAT_FIELD_(name, is_bytes, desc) spw_counter name;

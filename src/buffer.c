@@ -50,7 +50,7 @@ static spw_status enter(spw_buf *b, const char *fn) {
     if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
     uint32_t m = atomic_load(&b->magic);
     if (m != SPW_BUF_ALIVE) return bad_handle(b, fn, m);
-    pthread_mutex_lock(&b->ctx->lock);
+    spw__ctx_lock(b->ctx);
     m = atomic_load(&b->magic);
     if (m != SPW_BUF_ALIVE) {
         pthread_mutex_unlock(&b->ctx->lock);

@@ -49,6 +49,14 @@ void spw__stat_event(spw_counter *c) {
     c->peak = c->current;
 }
 
+void spw__ctx_lock(spw_ctx *ctx) {
+    if (pthread_mutex_trylock(&ctx->lock) == 0) return;
+    uint64_t t0 = spw__now_ns();
+    pthread_mutex_lock(&ctx->lock);
+    spw__stat_event(&ctx->stats.lock_waits);
+    spw__stat_add(&ctx->stats.lock_wait_ns, (int64_t)(spw__now_ns() - t0));
+}
+
 bool spw__ctx_can_hold(const spw_ctx *ctx, size_t more) {
     return (uint64_t)ctx->stats.held.current + more <= ctx->budget;
 }

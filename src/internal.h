@@ -185,6 +185,9 @@ struct spw_ctx {
     struct spw_engine *engine;  /* offload engine (buffer.c); guarded by lock */
 };
 
+/* Take the context lock, counting a wait for another thread in lock_waits and lock_wait_ns
+ * (no clock read when the lock is free). */
+void spw__ctx_lock(struct spw_ctx *ctx);
 /* Charge/refund held bytes against the budget. charge fails (changing nothing) past the budget. */
 bool spw__ctx_can_hold(const struct spw_ctx *ctx, size_t more);
 void spw__stat_add(spw_counter *c, int64_t delta);

@@ -7,9 +7,11 @@
 #include "test_util.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine.h"
 
@@ -211,8 +213,52 @@ static void test_threads_managed(void **state) {
     run("budget=4MiB,grow_ahead=0,residency=managed");
 }
 
+typedef struct waiter {
+    spw_buf *b;
+    atomic_int started;
+} waiter;
+
+static void *acquire_release(void *arg) {
+    waiter *w = arg;
+    void *p;
+    atomic_store(&w->started, 1);
+    assert_ok(spw_acquire(w->b, NULL, SPW_ACCESS_READ, &p));
+    assert_ok(spw_release(w->b, NULL));
+    return NULL;
+}
+
+/* A buffer call that finds the context lock held counts one wait, with the time it waited; an
+ * uncontended call counts none. */
+static void test_lock_waits_are_counted(void **state) {
+    (void)state;
+    spw_ctx *ctx = test_ctx("budget=4MiB");
+    waiter w = {.started = 0};
+    assert_ok(spw_buf_create(ctx, 4096, 0, &w.b));
+    acquire_release(&w);
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.lock_waits.total, 0);
+    assert_int_equal(st.lock_wait_ns.total, 0);
+
+    atomic_store(&w.started, 0);
+    pthread_mutex_lock(&ctx->lock);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, acquire_release, &w), 0);
+    while (!atomic_load(&w.started)) sched_yield();
+    struct timespec d = {0, 50 * 1000 * 1000};
+    nanosleep(&d, NULL);
+    pthread_mutex_unlock(&ctx->lock);
+    pthread_join(t, NULL);
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.lock_waits.total, 1);
+    assert_true(st.lock_wait_ns.total >= 1000 * 1000);
+    assert_ok(spw_buf_destroy(w.b));
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_lock_waits_are_counted),
         cmocka_unit_test(test_threads_explicit),
         cmocka_unit_test(test_threads_managed),
     };

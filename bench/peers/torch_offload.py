@@ -182,6 +182,8 @@ def spillway_figures(off):
         hook_ns=_stat(s, "hook_ns", "hook_time_ns", "hooks_ns"),
         acquires=_stat(s, "hook_acquires", "acquires", "acquire", "blocks_acquired"),
         stalls=_stat(s, "stalls"),
+        lock_waits=_stat(s, "lock_waits"),
+        lock_wait_ns=_stat(s, "lock_wait_ns"),
         trim_syncs=_stat(s, "trim_syncs"),
         held_peak=_peak(s, "held", "device_held", "bytes_held", "held_bytes"),
         stats=s,
@@ -569,6 +571,7 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
     first = out.cpu()
     f0, m0 = v.forwards, v.moved()
     s0 = spillway_figures(v.off) if v.off is not None else None
+    a0 = v.off.acquires if v.off is not None else 0
     extra = 0
     if v.off is not None:
         # Reading spillway's statistics (a summary) right before the timed passes left the first
@@ -610,6 +613,12 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         r["hook_us_per_pass"] = [round(x, 1) for x in per_pass_hook]
         if s1["trim_syncs"] is not None and s0["trim_syncs"] is not None:
             r["trim_syncs_timed"] = s1["trim_syncs"] - s0["trim_syncs"]  # host waits: timed passes + 1
+        if s1["lock_waits"] is not None and s0["lock_waits"] is not None and h1[1] > a0:
+            # buffer calls that waited for the context lock (the prefetch worker holds it while it
+            # enqueues): per block acquired, timed passes and the one before
+            n = h1[1] - a0
+            r["lock_waits_per_block"] = (s1["lock_waits"] - s0["lock_waits"]) / n
+            r["lock_wait_us_per_block"] = (s1["lock_wait_ns"] - s0["lock_wait_ns"]) / n / 1e3
         r["spillway"] = s1
         r["c_calls"] = c_call_profile(cfg, v.off, fn)
     return r, first
@@ -975,6 +984,9 @@ def print_tables(rows, link_gbps, cfg_of):
             if r.get("hook_us_per_pass"):
                 print(f"{'':<18}  hook us per block, pass by pass: {r['hook_us_per_pass']}; host waits of trims "
                       f"in the timed passes and the one before: {r.get('trim_syncs_timed')}")
+            if r.get("lock_waits_per_block") is not None:
+                print(f"{'':<18}  waits for the context lock per block acquired: {r['lock_waits_per_block']:.2f}, "
+                      f"{r['lock_wait_us_per_block']:.1f} us")
             if r.get("c_calls"):
                 cc = r["c_calls"]
                 parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"

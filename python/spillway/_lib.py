@@ -46,6 +46,8 @@ STAT_NAMES = (
     "plan_prefetch_bytes",
     "plan_prefetch_used",
     "plan_prefetch_wasted",
+    "lock_waits",
+    "lock_wait_ns",
 )
 
 
