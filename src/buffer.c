@@ -184,6 +184,7 @@ void spw__engine_destroy(spw_ctx *ctx) {
         else if (b->managed && b->dev_touched) OPS(ctx)->stream_sync(BE(ctx), b->dev_s);
         buf_teardown(ctx, b);
     }
+    spw__step_wait_destroy(ctx);
     spw__copy_streams_destroy(ctx);
     spw__hostpool_destroy(e->hp);
     e->pops->destroy(e->pol);
@@ -442,7 +443,10 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
         /* a transfer enqueued by this very call is still running: no need to ask */
         spw_status q = b->dev_rec && !fresh ? OPS(ctx)->event_query(BE(ctx), b->ev_dev) : SPW_ERR_NOT_READY;
         if (q == SPW_OK) {
+            /* the transfer is complete: s need not wait for it (one driver call less) */
             b->xfer = false;
+            b->dev_waited = true;
+            b->dev_waiter = s;
         } else {
             spw__stat_event(&ctx->stats.stalls);
             stall = spw__tsink_span_begin(ctx, s, "stall", "stream", b->bytes, b->id, 1);
@@ -497,6 +501,7 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
     b->dev_rec = !marked;
     b->dev_touched = true;
     b->xfer = false;
+    b->rel_step = e->step;
     if (--b->acq == 0) {
         b->acq_writers = 0;
         spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
@@ -580,6 +585,8 @@ static spw_status step(spw_ctx *ctx, bool begin) {
     struct spw_engine *e = ctx->engine;
     spw__res_collapse_poll(ctx);
     spw__pf_step(ctx, begin); /* a prefetch still pending belongs to the step that ends */
+    if (!begin && e->pops->time_steps && e->pops->time_steps(e->pol)) spw__step_wait(ctx);
+    else if (!begin) spw__step_wait_destroy(ctx); /* timing over (or never): handles not kept */
     if (begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);

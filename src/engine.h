@@ -92,6 +92,7 @@ struct spw_buf {
     spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
     bool marking;     /* released with its record left to the prefetch worker (dev_rec false) */
+    uint64_t rel_step; /* engine step of its last release (step_wait.c) */
     bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
     unsigned untracked;
 
@@ -123,6 +124,8 @@ struct spw_engine {
     int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
     bool owe_waits;      /* an upload is being given room: victims' blocks are freed owing waits */
     struct spw_pf *pf;   /* the prefetch worker (prefetch_thread.c), NULL until first used */
+    spw_stream wait_s;   /* step_wait.c: the engine's stream and event for waiting on a step */
+    spw_event wait_ev;
 };
 
 /* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
@@ -140,6 +143,13 @@ void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b);
 /* Collapse every listed replica whose last device use is complete; called at every engine
  * entry, never blocks. */
 void spw__res_collapse_poll(spw_ctx *ctx);
+
+/* ---- step_wait.c: while the policy times steps (pops->time_steps), spw_step_end waits on the
+ * host for the last use of every buffer released in the step. Context lock held; released while
+ * waiting. Best effort: any failure skips the wait. ---- */
+void spw__step_wait(spw_ctx *ctx);
+/* The engine's wait stream and event, if made: at teardown, and once the policy stops timing. */
+void spw__step_wait_destroy(spw_ctx *ctx);
 
 /* ---- prefetch_thread.c: the policy's after-acquire prefetches on a worker (option
  * prefetch_thread=on). The worker takes the context lock and calls pops->prefetch(after_acquire

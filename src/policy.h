@@ -62,6 +62,9 @@ typedef struct spw_policy_ops {
     void (*on_host_read)(spw_policy *p, spw_buf *b);
     void (*step_begin)(spw_policy *p);
     void (*step_end)(spw_policy *p);
+    /* True while the policy times steps on the host: spw_step_end then first waits for the
+     * device work of the buffers released in the step (step_wait.c). NULL: never. */
+    bool (*time_steps)(spw_policy *p);
 
     /* Pick the next buffer to evict so that `need` more device bytes can be had. `incoming` is
      * the buffer being made resident (acquire or prefetch), or NULL for a plain spw_malloc.

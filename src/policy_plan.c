@@ -167,6 +167,9 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     return SPW_OK;
 }
 
+/* Pipeline trials compare step times, which must be the steps' device time. */
+static bool plan_time_steps(spw_policy *p) { return p->trial >= 0; }
+
 static void plan_destroy(spw_policy *p) {
     kbuf *e, *tmp;
     HASH_ITER(hh, p->by_key, e, tmp) HASH_DEL(p->by_key, e);
@@ -587,6 +590,7 @@ const spw_policy_ops spw__policy_plan = {
     .on_host_read = plan_on_host_read,
     .step_begin = plan_step_begin,
     .step_end = plan_step_end,
+    .time_steps = plan_time_steps,
     .choose_victim = plan_choose_victim,
     .need_writeback = plan_need_writeback,
     .prefetch = plan_prefetch,

@@ -60,6 +60,7 @@ spillway is imported from python/ in this repository if it is there (else from s
 access to its statistics is in spillway_figures(), its attachment in spillway_attach().
 """
 import argparse
+import ctypes
 import contextlib
 import inspect
 import json
@@ -584,6 +585,7 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         return (v.off.hook_ns, v.off.acquires) if v.off is not None else None
 
     h0 = hooks()
+    vb0 = v.off.view_builds if v.off is not None else 0
     reset_peak(cfg)
     times, per_pass_hook = [], []
     for _ in range(passes - 1):
@@ -611,6 +613,7 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
         if h1[1] > h0[1]:
             r["hook_us"] = (h1[0] - h0[0]) / (h1[1] - h0[1]) / 1e3
         r["hook_us_per_pass"] = [round(x, 1) for x in per_pass_hook]
+        r["view_builds_per_pass"] = (v.off.view_builds - vb0) / len(times)
         if s1["trim_syncs"] is not None and s0["trim_syncs"] is not None:
             r["trim_syncs_timed"] = s1["trim_syncs"] - s0["trim_syncs"]  # host waits: timed passes + 1
         if s1["lock_waits"] is not None and s0["lock_waits"] is not None and h1[1] > a0:
@@ -627,10 +630,18 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
 def c_call_profile(cfg, off, fn, passes=2):
     """Host time of each spw_acquire and spw_release call over `passes` extra passes (after the
     timed ones, so the wrappers' own cost is in no figure above): percentiles in us, and the
-    share of the hooks' time spent inside them."""
-    calls = {"spw_acquire": [], "spw_release": [], "re-point": []}
+    share of the hooks' time spent inside them. Then as many passes with the calls bound through
+    ctypes.PyDLL (they keep the GIL), and the host time of a call that does nothing
+    (spw_buf_size) right after each release, through both bindings."""
+    from spillway import _lib as sl
+
+    calls = {"spw_acquire": [], "spw_release": [], "re-point": [], "spw_acquire (PyDLL)": [],
+             "spw_release (PyDLL)": [], "empty call": [], "empty call (PyDLL)": []}
     orig = off._c_acquire, off._c_release
     clock = time.perf_counter_ns
+    size_c, size_py = sl.lib.spw_buf_size, ctypes.PyDLL(sl.path).spw_buf_size
+    size_c.restype = size_py.restype = ctypes.c_size_t
+    size_py.argtypes = size_c.argtypes
 
     def timed(f, out):
         def w(*a):
@@ -641,17 +652,34 @@ def c_call_profile(cfg, off, fn, passes=2):
                 out.append(clock() - t)
         return w
 
-    h0 = off.hook_ns
-    off._c_acquire, off._c_release = timed(orig[0], calls["spw_acquire"]), timed(orig[1], calls["spw_release"])
+    def timed_release(f, out, empty, out_empty):
+        def w(h, s):
+            t = clock()
+            try:
+                return f(h, s)
+            finally:
+                t1 = clock()
+                empty(h)
+                out_empty.append(clock() - t1)
+                out.append(t1 - t)
+        return w
+
+    hooks_ns = {}
     off._point = timed(off._point, calls["re-point"])  # a unit at a new device address
     try:
-        for _ in range(passes):
-            fn()
-        sync(cfg)
+        for label, acq, rel, empty in (("", orig[0], orig[1], size_c),
+                                       (" (PyDLL)", sl.hot.spw_acquire, sl.hot.spw_release, size_py)):
+            off._c_acquire = timed(acq, calls["spw_acquire" + label])
+            off._c_release = timed_release(rel, calls["spw_release" + label], empty, calls["empty call" + label])
+            h0 = off.hook_ns
+            for _ in range(passes):
+                fn()
+            sync(cfg)
+            hooks_ns[label] = off.hook_ns - h0
     finally:
         off._c_acquire, off._c_release = orig
         del off._point
-    hook = off.hook_ns - h0
+    hook = hooks_ns[""]
     res = {}
     for name, xs in calls.items():
         if not xs:
@@ -660,6 +688,7 @@ def c_call_profile(cfg, off, fn, passes=2):
         q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1e3  # noqa: E731
         res[name] = dict(n=len(xs), p50=q(0.5), p90=q(0.9), p99=q(0.99), max=xs[-1] / 1e3,
                          total_ms=sum(xs) / 1e6)
+    res["hooks_pydll_ms"] = hooks_ns[" (PyDLL)"] / 1e6
     res["hooks_total_ms"] = hook / 1e6
     if cfg.profile:  # one more pass under cProfile: where the hooks' Python time goes
         import cProfile
@@ -983,7 +1012,8 @@ def print_tables(rows, link_gbps, cfg_of):
                 print(f"{'':<18}  spillway_figures: {fig}")
             if r.get("hook_us_per_pass"):
                 print(f"{'':<18}  hook us per block, pass by pass: {r['hook_us_per_pass']}; host waits of trims "
-                      f"in the timed passes and the one before: {r.get('trim_syncs_timed')}")
+                      f"in the timed passes and the one before: {r.get('trim_syncs_timed')}; units re-pointed "
+                      f"per pass: {r.get('view_builds_per_pass')}")
             if r.get("lock_waits_per_block") is not None:
                 print(f"{'':<18}  waits for the context lock per block acquired: {r['lock_waits_per_block']:.2f}, "
                       f"{r['lock_wait_us_per_block']:.1f} us")
@@ -991,7 +1021,8 @@ def print_tables(rows, link_gbps, cfg_of):
                 cc = r["c_calls"]
                 parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"
                          f" ({c['total_ms']:.2f} ms)" for n, c in cc.items() if isinstance(c, dict)]
-                print(f"{'':<18}  C calls over 2 more passes: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms")
+                print(f"{'':<18}  C calls over 2 more passes each binding: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms "
+                      f"(CDLL), {cc['hooks_pydll_ms']:.2f} ms (PyDLL)")
                 if cc.get("profile"):
                     print(cc["profile"])
         if any(r.get("hook_us", 0) > 30 for r in group):

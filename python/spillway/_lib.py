@@ -12,7 +12,7 @@ import ctypes.util
 import enum
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 #: The names of SPW_STAT_LIST in include/spillway.h, in order; each is a spw_counter field.
 STAT_NAMES = (
@@ -234,22 +234,35 @@ def find_library() -> str:
     )
 
 
+def _declare(lib: ctypes.CDLL, names: Iterable[str]) -> None:
+    for name in names:
+        restype, argtypes = _SIGNATURES[name]
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
 def _load() -> ctypes.CDLL:
     path = find_library()
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise OSError(f"spillway: could not load {path}: {e}") from e
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
+    _declare(lib, _SIGNATURES)
     return lib
 
 
 lib: ctypes.CDLL = _load()
 #: The file the library was loaded from (or the soname given to the loader).
 path: str = getattr(lib, "_name", "")
+
+#: The same library with calls that keep the GIL (ctypes.PyDLL), for the offload hooks' acquire
+#: and release: a call through `lib` drops the GIL and takes it back, which costs a hook more than
+#: the call itself while another thread of the process is runnable. Only for calls that do not
+#: wait on the host, apart from rare trims (the lock they take is never held by a thread that
+#: needs the GIL: the library never calls into Python).
+hot: ctypes.PyDLL = ctypes.PyDLL(path)
+_declare(hot, ("spw_acquire", "spw_release"))
 
 # C stdio, for spw_summary / spw_config_print_help (they write to a FILE *).
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

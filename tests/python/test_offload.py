@@ -605,24 +605,31 @@ def test_device_property_reports_the_execution_device():
     assert type(m) is WithDevice
 
 
-def test_units_keep_device_tensors_for_their_two_latest_addresses():
-    # A unit alternating between two device addresses (a streamed block of the static split)
-    # re-points nothing after the first visit to each; a third address re-points the least
-    # recently used set. Every device tensor lies where its entry does in the unit.
+def test_units_keep_device_tensors_for_their_latest_addresses():
+    # A unit cycling among a few device addresses (a streamed block of the static split, a block
+    # under lru) re-points nothing after the first visit to each, up to _DEV_SETS addresses; one
+    # more re-points the least recently used set. Every device tensor lies where its entry does.
+    from spillway.torch import _offload
+
+    n = _offload._DEV_SETS
+    assert n >= 2
     m = frozen(make_stack())
     ref = copy.deepcopy(m)
     off = spt.offload(m, budget="4MiB", **EMU)
     u = off.units[0]
-    mem = [torch.empty(u.nbytes, dtype=torch.uint8) for _ in range(3)]
-    a, b, c = (t.data_ptr() for t in mem)
+    mem = [torch.empty(u.nbytes, dtype=torch.uint8) for _ in range(n + 1)]
+    ptrs = [t.data_ptr() for t in mem]
+    first, extra = ptrs[:n], ptrs[n]
+    visits = first + first + [extra] + first[1:] + [first[0]]
+    want = list(range(1, n + 1)) + [n] * n + [n + 1] * n + [n + 2]
     builds = []
-    for ptr in (a, b, a, b, a, c, b, a):
+    for ptr in visits:
         dset = off._point(u, ptr)
         builds.append(off.view_builds)
         assert u.dev_at == ptr and dset is u.dev_set
         for e, d in zip(u.entries, dset[0]):
             assert d.data_ptr() == ptr + e.offset and d.shape == e.tensor.shape
-    assert builds == [1, 2, 2, 2, 2, 3, 4, 5]
+    assert builds == want
     x = torch.randn(2, 64)
     with torch.no_grad():  # the real addresses afterwards: still equal
         for _ in range(3):

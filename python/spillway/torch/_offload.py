@@ -66,8 +66,9 @@ _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 # Sets of device tensors per unit, each over one of its recent device addresses: the static split
 # streams each unit through one of two slots of its room, alternating step by step (every
-# streamed unit on emu, bench/dev/mixed_units.c), and two sets then re-point nothing.
-_DEV_SETS = 2
+# streamed unit on emu, bench/dev/mixed_units.c), and lru cycles a unit through a few places;
+# a set costs a few empty tensors, a re-point 25-40 us of the hook on the H200.
+_DEV_SETS = 8
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 
 
@@ -407,7 +408,8 @@ class Offload:
         spare = u.dev_spare
         for i, (at, dset) in enumerate(spare):
             if at == ptr:
-                spare[i] = (u.dev_at, u.dev_set)
+                del spare[i]
+                spare.insert(0, (u.dev_at, u.dev_set))
                 u.dev_at, u.dev_set = ptr, dset
                 return dset
         self.view_builds += 1
