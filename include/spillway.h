@@ -245,6 +245,12 @@ SPW_API spw_status spw_acquire(spw_buf *buf, spw_stream stream, spw_access mode,
  * the use): stream must then stay valid until the next spw_step_end, the buffer's eviction or
  * destruction, or spw_ctx_destroy. */
 SPW_API spw_status spw_release(spw_buf *buf, spw_stream stream);
+/* spw_release(done, done_stream), then spw_acquire(buf, stream, mode, devptr), under one take of
+ * the context lock: for a framework's hooks, which end one block's use and begin the next one's
+ * back to back. done NULL: a plain spw_acquire. A failed release acquires nothing (its status);
+ * a failed acquire leaves the release done. */
+SPW_API spw_status spw_release_acquire(spw_buf *done, spw_stream done_stream, spw_buf *buf, spw_stream stream,
+                                       spw_access mode, void **devptr);
 /* Hints: start moving buf to the device (ordered before later work on stream) / off it.
  * spw_prefetch returns SPW_OK and moves nothing when the budget has no room that the policy
  * is willing to make (LRU displaces the least recently used; plan never displaces a buffer

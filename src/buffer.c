@@ -396,28 +396,21 @@ static spw_status check_mode(const char *fn, spw_access mode) {
     return SPW_OK;
 }
 
-SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void **devptr) {
+/* spw_acquire with the lock held (b checked alive); the lock stays held. */
+static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void **devptr) {
     const char *fn = "spw_acquire";
     spw_status st;
-    if ((st = check_mode(fn, mode))) return st;
-    if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
-    if ((st = enter(b, fn))) return st;
     spw_ctx *ctx = b->ctx;
     struct spw_engine *e = ctx->engine;
-    if ((mode & SPW_ACCESS_WRITE) && (b->flags & SPW_BUF_READ_ONLY)) {
-        leave(b);
+    if ((mode & SPW_ACCESS_WRITE) && (b->flags & SPW_BUF_READ_ONLY))
         return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer #%llu is read-only (SPW_BUF_READ_ONLY); "
                           "mode %s would write it", fn, (unsigned long long)b->id,
                           mode == SPW_ACCESS_WRITE ? "WRITE" : "READ_WRITE");
-    }
-    if (b->host_busy) {
-        leave(b);
+    if (b->host_busy)
         return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is being written by spw_buf_write", fn,
                           (unsigned long long)b->id);
-    }
     if (b->policy_dead && (mode & SPW_ACCESS_READ)) {
         /* loud, never stale data: the program left the pattern the drop was based on */
-        leave(b);
         return spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were dropped by policy=plan, "
                           "which learned that each step overwrites it (SPW_ACCESS_WRITE) before reading it; "
                           "this step reads it first. Write it first, or use policy=lru", fn,
@@ -428,10 +421,7 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
         bool upload = (mode & SPW_ACCESS_READ) && !b->dead;
         st = spw__res_make_resident(ctx, b, upload, s, 0, true);
         if (st == SPW_ERR_OUT_OF_MEMORY) st = oom_for(ctx, b, s, fn);
-        if (st) {
-            leave(b);
-            return st;
-        }
+        if (st) return st;
         fresh = true;
     } else if (b->prefetched) {
         spw__stat_event(&ctx->stats.prefetch_hits);
@@ -456,7 +446,6 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     spw__tsink_span_end(ctx, s, stall);
     if (st) {
         if (fresh) spw__res_drop_device(ctx, b); /* stream-ordered free on dev_s; contents stay on the host */
-        leave(b);
         return spw__error_prefix(st, "%s: ordering stream %p after buffer #%llu", fn, (void *)s,
                                  (unsigned long long)b->id);
     }
@@ -472,31 +461,37 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     *devptr = b->managed ? b->host : b->dev;
     if (e->pops->on_acquire) e->pops->on_acquire(e->pol, b, mode, s, b->acq);
     if (e->pops->prefetch && !spw__pf_post(ctx)) e->pops->prefetch(e->pol, ctx, true);
-    leave(b);
     return SPW_OK;
 }
 
-SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
+SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void **devptr) {
+    const char *fn = "spw_acquire";
+    spw_status st;
+    if ((st = check_mode(fn, mode))) return st;
+    if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
+    if ((st = enter(b, fn))) return st;
+    st = acquire_locked(b, s, mode, devptr);
+    leave(b);
+    return st;
+}
+
+/* spw_release with the lock held (b checked alive); the lock stays held. */
+static spw_status release_locked(spw_buf *b, spw_stream s) {
     const char *fn = "spw_release";
     spw_status st;
-    if ((st = enter(b, fn))) return st;
     spw_ctx *ctx = b->ctx;
     struct spw_engine *e = ctx->engine;
-    if (!b->acq) {
-        leave(b);
+    if (!b->acq)
         return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is not acquired (released twice?)", fn,
                           (unsigned long long)b->id);
-    }
     /* the use on s becomes the device copy's last touch, chained after any other stream's; its
      * record is left to the prefetch worker when there is one (prefetch_thread.c) */
     st = spw__copy_order_dev(ctx, b, s);
     bool marked = !st && e->streams_ok && spw__pf_mark(ctx, b);
     if (!st && !marked) st = spw__copy_record_dev(ctx, b, s);
-    if (st) {
-        leave(b);
+    if (st)
         return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
                                  fn, (unsigned long long)b->id, (void *)s);
-    }
     b->dev_s = s;
     b->dev_rec = !marked;
     b->dev_touched = true;
@@ -507,8 +502,37 @@ SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
         spw__stat_add(&ctx->stats.pinned, -(int64_t)spw__pol_device_bytes(b));
     }
     if (e->pops->on_release) e->pops->on_release(e->pol, b, s, b->acq);
-    leave(b);
     return SPW_OK;
+}
+
+SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
+    spw_status st;
+    if ((st = enter(b, "spw_release"))) return st;
+    st = release_locked(b, s);
+    leave(b);
+    return st;
+}
+
+SPW_API spw_status spw_release_acquire(spw_buf *done, spw_stream done_stream, spw_buf *b, spw_stream s,
+                                       spw_access mode, void **devptr) {
+    const char *fn = "spw_release_acquire";
+    spw_status st;
+    if (!done) return spw_acquire(b, s, mode, devptr);
+    if ((st = check_mode(fn, mode))) return st;
+    if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
+    if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
+    if ((st = enter(done, fn))) return st;
+    if ((st = release_locked(done, done_stream))) {
+        leave(done);
+        return st;
+    }
+    if (b->ctx != done->ctx || atomic_load(&b->magic) != SPW_BUF_ALIVE) {
+        leave(done); /* another context, or a handle to check: the plain call, on its own lock */
+        return spw_acquire(b, s, mode, devptr);
+    }
+    st = acquire_locked(b, s, mode, devptr);
+    leave(done);
+    return st;
 }
 
 static spw_status prefetch_locked(spw_ctx *ctx, spw_buf *b, int for_prefetch, bool may_evict) {

@@ -167,8 +167,10 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     return SPW_OK;
 }
 
-/* Pipeline trials compare step times, which must be the steps' device time. */
-static bool plan_time_steps(spw_policy *p) { return p->trial >= 0; }
+/* Pipeline trials and rechecks compare step times, which must be the steps' device time. */
+static bool plan_time_steps(spw_policy *p) {
+    return p->trial >= 0 || (p->tuned && (p->since_tuned + 2) % RECHECK_EVERY < 2);
+}
 
 static void plan_destroy(spw_policy *p) {
     kbuf *e, *tmp;
@@ -229,10 +231,36 @@ static double expected_bytes(spw_policy *p, int mode, uint64_t timed) {
     return e > 0 ? e : (double)timed;
 }
 
+static void trials_start(spw_policy *p) {
+    p->trial = 0;
+    p->trial_step = 0;
+    memset(p->trial_ns, 0, sizeof p->trial_ns);
+    memset(p->trial_bytes, 0, sizeof p->trial_bytes);
+    p->early_max = EARLY_TRIALS[0];
+    p->tuned = false;
+    p->slot_left = false;
+}
+
+/* The step that just ended, when it began right after a step that ended waiting (RECHECK_EVERY):
+ * timed as a trial step, against the chosen pipeline's trial time. */
+static void recheck(spw_policy *p, uint64_t now) {
+    uint32_t n = ++p->since_tuned;
+    if (n % RECHECK_EVERY || !p->last_exact || !p->step_t0) return;
+    double step = (double)(now - p->step_t0);
+    double chosen = (double)p->trial_ns[p->chosen] / (TRIAL_STEPS - 1);
+    if (step > chosen * RETUNE_RATIO || step * RETUNE_RATIO < chosen) {
+        p->retunes++;
+        trials_start(p);
+    }
+}
+
 /* prefetch_early=auto: every step of a trial but its first that followed its plan to the end is
- * timed, from its step_begin to the next one (the caller's own wait for the step included); after
- * the last trial the fastest pipeline stays. A step that diverged says nothing and is retried. */
+ * timed, from its step_begin to the next one, and ends waiting for its device work (time_steps),
+ * so the time is the device's even for a caller that never waits; after the last trial the
+ * fastest pipeline stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing
+ * and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
+    if (p->tuned) recheck(p, now);
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
     if (p->trial_step++ > 0) { /* the first step of a trial settles the change of resident set */
         p->trial_ns[p->trial] += now - p->step_t0;
@@ -259,6 +287,9 @@ static void tune_early(spw_policy *p, uint64_t now) {
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
     p->slot_broken = 0;
+    p->tuned = true;
+    p->chosen = best;
+    p->since_tuned = 0;
 }
 
 static void plan_step_end(spw_policy *p) {
@@ -469,6 +500,7 @@ static void leave_slot(spw_policy *p) {
     for (int i = 0; i < N_TRIALS; i++)
         if (EARLY_TRIALS[i] != PF_SLOT && (best < 0 || p->trial_t[i] < p->trial_t[best])) best = i;
     p->early_max = EARLY_TRIALS[best];
+    p->chosen = best;
     p->slot_left = true;
     fix_for_pipeline(p);
 }
@@ -564,7 +596,8 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     if (!prefetching(p->ctx)) {
         snprintf(b, n, "no prefetch (%s)", pf == SPW_TRI_OFF ? "prefetch=off" : "emu: no transfer time to hide");
     } else if (p->trial >= 0) {
-        snprintf(b, n, "timing pipelines: %s now (%d of %d)", pipeline_name(p->early_max), p->trial + 1, N_TRIALS);
+        snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
+                 p->retunes ? ", again: the step time moved" : "");
     } else if (p->ctx->cfg.prefetch_early < 0) {
         double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
@@ -572,6 +605,10 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
                  (double)p->trial_ns[0] / per_step, (double)p->trial_ns[1] / per_step,
                  (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step,
                  p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
+        if (p->retunes) {
+            size_t used = strlen(b);
+            snprintf(b + used, n - used, "; timed again %u times (the step time moved)", p->retunes);
+        }
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }

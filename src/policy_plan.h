@@ -42,6 +42,13 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_SLOT (-3)
 #define N_TRIALS 4
 #define TRIAL_STEPS 3
+/* After the choice, two steps in every RECHECK_EVERY end waiting for their device work, and the
+ * second is timed as a trial step was. A time off the chosen pipeline's trial time by more than
+ * RETUNE_RATIO either way (the work of a step changed: another batch size, another sequence
+ * length) starts the trials again. On a caller that waits for every step anyway the waits cost
+ * nothing; on one that runs ahead, two host waits in eight steps. */
+#define RECHECK_EVERY 8
+#define RETUNE_RATIO 1.25
 /* SLOT is left for the best other pipeline when, after the timing chose it, this many of the last
  * eight steps found its premise broken: the fixed set displaced (taken up again at a step
  * boundary) or the device memory trimmed during the step (the room no longer one piece: an
@@ -106,6 +113,10 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
+    bool tuned;                     /* a pipeline was chosen by timing (then rechecked) */
+    int chosen;                     /* its index into EARLY_TRIALS */
+    uint32_t since_tuned;           /* steps begun since the choice */
+    uint32_t retunes;               /* trials started again by a recheck */
     uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */
     bool slot_step_broken;          /* SLOT: a take-up since the current step began */
     int64_t trims_seen;             /* the context's trim_syncs when the current step began */

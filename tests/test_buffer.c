@@ -232,6 +232,53 @@ static void test_streaming_calls(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* spw_release_acquire: the release, then the acquire, under one lock; a failed release acquires
+ * nothing, a failed acquire keeps the release; another context's buffer is acquired on its own. */
+static void test_release_acquire(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=8MiB,policy=lru");
+    spw_ctx *other = test_ctx("budget=8MiB,policy=lru");
+    spw_buf *b[3], *far;
+    for (int i = 0; i < 3; i++) {
+        assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b[i]));
+        test_fill_buf(b[i], (uint8_t)(20 + i));
+    }
+    assert_ok(spw_buf_create(other, 4 * MiB, 0, &far));
+    void *d;
+    assert_ok(spw_release_acquire(NULL, NULL, b[0], NULL, SPW_ACCESS_READ, &d)); /* a plain acquire */
+    for (int i = 1; i < 3; i++) {
+        /* room for two: the third evicts the one released by the same call before it */
+        assert_ok(spw_release_acquire(b[i - 1], NULL, b[i], NULL, SPW_ACCESS_READ, &d));
+        assert_int_equal(test_stats(ctx).pinned.current, 4 * MiB);
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+        for (size_t k = 0; k < 4 * MiB; k += 4099)
+            if (((uint8_t *)d)[k] != 20 + i) fail_msg("buffer %d: device byte %zu wrong", i, k);
+    }
+    /* b[2] held: NULL and bad modes change nothing */
+    assert_status(spw_release_acquire(b[2], NULL, NULL, NULL, SPW_ACCESS_READ, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_release_acquire(b[2], NULL, b[0], NULL, (spw_access)9, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_release_acquire(b[2], NULL, b[0], NULL, SPW_ACCESS_READ, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_int_equal(test_stats(ctx).pinned.current, 4 * MiB);
+    /* a failed release (b[0] is not acquired) acquires nothing */
+    assert_status(spw_release_acquire(b[0], NULL, b[1], NULL, SPW_ACCESS_READ, &d), SPW_ERR_STATE);
+    assert_non_null(strstr(spw_last_error(), "not acquired"));
+    assert_int_equal(test_stats(ctx).pinned.current, 4 * MiB);
+    /* a failed acquire (WRITE on a read-only buffer) keeps the release */
+    assert_status(spw_release_acquire(b[2], NULL, b[1], NULL, SPW_ACCESS_WRITE, &d), SPW_ERR_INVALID_ARGUMENT);
+    assert_int_equal(test_stats(ctx).pinned.current, 0);
+    /* another context's buffer */
+    assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_release_acquire(b[0], NULL, far, NULL, SPW_ACCESS_READ, &d));
+    assert_int_equal(test_stats(ctx).pinned.current, 0);
+    assert_int_equal(test_stats(other).pinned.current, 4 * MiB);
+    assert_ok(spw_release(far, NULL));
+    for (int i = 0; i < 3; i++) assert_ok(spw_buf_destroy(b[i]));
+    assert_ok(spw_buf_destroy(far));
+    spw_ctx_destroy(ctx);
+    spw_ctx_destroy(other);
+}
+
 /* LRU eviction under pressure, the budget after every operation, everything acquired -> OOM
  * naming the pinned bytes, on_exhaust=fail, spw_malloc evicting buffers. */
 static void test_pressure(void **state) {
@@ -754,7 +801,7 @@ static void test_options_stats_trace(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
-        cmocka_unit_test(test_streaming_calls),
+        cmocka_unit_test(test_streaming_calls), cmocka_unit_test(test_release_acquire),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
         cmocka_unit_test(test_destroy_failure_keeps_buffer),

@@ -24,20 +24,22 @@ static void sleep_cb(void *a) {
 
 /* `wait`: the caller waits for each step's work (as a training loop reading its loss does), or
  * never does (inference enqueued back to back, run ahead of the device). */
-static int64_t steady_bytes(long work_us, bool wait) {
-    enum { NB = 8, STEPS = 15 };
+static int64_t phases_bytes(long work0_us, int steps0, long work_us, int steps, bool wait, char **summary) {
+    enum { NB = 8 };
+    const int STEPS = steps0 + steps;
     const size_t sz = 8 * MiB;
     spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
     spw_buf *b[NB];
     for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
     int64_t h0 = 0;
     for (int s = 0; s < STEPS; s++) {
+        long *work = s < steps0 ? &work0_us : &work_us;
         if (s == STEPS - 3) h0 = test_stats(ctx).bytes_h2d.total;
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
             void *d;
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, &work_us));
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, work));
             assert_ok(spw_release(b[i], NULL));
         }
         assert_ok(spw_step_end(ctx));
@@ -47,11 +49,14 @@ static int64_t steady_bytes(long work_us, bool wait) {
     int64_t moved = test_stats(ctx).bytes_h2d.total - h0;
     char *text = test_summary(ctx, 0);
     assert_non_null(strstr(text, "chosen by timing")); /* the summary names the pipeline kept */
-    free(text);
+    if (summary) *summary = text;
+    else free(text);
     assert_int_equal(test_stats(ctx).plan_divergences.total, 0);
     spw_ctx_destroy(ctx);
     return moved / (int64_t)sz; /* buffers moved in the last three steps */
 }
+
+static int64_t steady_bytes(long work_us, bool wait) { return phases_bytes(work_us, 0, work_us, 15, wait, NULL); }
 
 static void pipeline_chosen_by_timing(void **state) {
     (void)state;
@@ -75,10 +80,25 @@ static void pipeline_chosen_by_device_time(void **state) {
                                 (long long)busy);
 }
 
+/* The work of a step changes after the choice (no work, then 12 ms a buffer, as a batch size
+ * raised): a recheck sees the step time move and times the pipelines again; the caller never
+ * waits. */
+static void pipeline_timed_again_when_the_work_changes(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    char *text = NULL;
+    int64_t busy = phases_bytes(0, 16, 12000, 32, false, &text);
+    if (!(busy >= 12)) fail_msg("12 ms of work a buffer after 16 idle steps: %lld buffers in 3 steps, want 12-15\n%s",
+                                (long long)busy, text);
+    assert_non_null(strstr(text, "timed again 1 times"));
+    free(text);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(pipeline_chosen_by_timing),
         cmocka_unit_test(pipeline_chosen_by_device_time),
+        cmocka_unit_test(pipeline_timed_again_when_the_work_changes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

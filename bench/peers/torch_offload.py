@@ -60,7 +60,6 @@ spillway is imported from python/ in this repository if it is there (else from s
 access to its statistics is in spillway_figures(), its attachment in spillway_attach().
 """
 import argparse
-import ctypes
 import contextlib
 import inspect
 import json
@@ -628,20 +627,13 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
 
 
 def c_call_profile(cfg, off, fn, passes=2):
-    """Host time of each spw_acquire and spw_release call over `passes` extra passes (after the
-    timed ones, so the wrappers' own cost is in no figure above): percentiles in us, and the
-    share of the hooks' time spent inside them. Then as many passes with the calls bound through
-    ctypes.PyDLL (they keep the GIL), and the host time of a call that does nothing
-    (spw_buf_size) right after each release, through both bindings."""
-    from spillway import _lib as sl
-
-    calls = {"spw_acquire": [], "spw_release": [], "re-point": [], "spw_acquire (PyDLL)": [],
-             "spw_release (PyDLL)": [], "empty call": [], "empty call (PyDLL)": []}
-    orig = off._c_acquire, off._c_release
+    """Host time of each C call of the hooks (spw_acquire, spw_release, spw_release_acquire)
+    over `passes` extra passes (after the timed ones, so the wrappers' own cost is in no figure
+    above): percentiles in us, and the share of the hooks' time spent inside them."""
+    names = ("spw_acquire", "spw_release", "spw_release_acquire")
+    calls = {n: [] for n in names + ("re-point",)}
+    orig = {n: getattr(off, "_c_" + n[4:]) for n in names}
     clock = time.perf_counter_ns
-    size_c, size_py = sl.lib.spw_buf_size, ctypes.PyDLL(sl.path).spw_buf_size
-    size_c.restype = size_py.restype = ctypes.c_size_t
-    size_py.argtypes = size_c.argtypes
 
     def timed(f, out):
         def w(*a):
@@ -652,34 +644,19 @@ def c_call_profile(cfg, off, fn, passes=2):
                 out.append(clock() - t)
         return w
 
-    def timed_release(f, out, empty, out_empty):
-        def w(h, s):
-            t = clock()
-            try:
-                return f(h, s)
-            finally:
-                t1 = clock()
-                empty(h)
-                out_empty.append(clock() - t1)
-                out.append(t1 - t)
-        return w
-
-    hooks_ns = {}
+    h0 = off.hook_ns
+    for n in names:
+        setattr(off, "_c_" + n[4:], timed(orig[n], calls[n]))
     off._point = timed(off._point, calls["re-point"])  # a unit at a new device address
     try:
-        for label, acq, rel, empty in (("", orig[0], orig[1], size_c),
-                                       (" (PyDLL)", sl.hot.spw_acquire, sl.hot.spw_release, size_py)):
-            off._c_acquire = timed(acq, calls["spw_acquire" + label])
-            off._c_release = timed_release(rel, calls["spw_release" + label], empty, calls["empty call" + label])
-            h0 = off.hook_ns
-            for _ in range(passes):
-                fn()
-            sync(cfg)
-            hooks_ns[label] = off.hook_ns - h0
+        for _ in range(passes):
+            fn()
+        sync(cfg)
     finally:
-        off._c_acquire, off._c_release = orig
+        for n in names:
+            setattr(off, "_c_" + n[4:], orig[n])
         del off._point
-    hook = hooks_ns[""]
+    hook = off.hook_ns - h0
     res = {}
     for name, xs in calls.items():
         if not xs:
@@ -688,7 +665,6 @@ def c_call_profile(cfg, off, fn, passes=2):
         q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1e3  # noqa: E731
         res[name] = dict(n=len(xs), p50=q(0.5), p90=q(0.9), p99=q(0.99), max=xs[-1] / 1e3,
                          total_ms=sum(xs) / 1e6)
-    res["hooks_pydll_ms"] = hooks_ns[" (PyDLL)"] / 1e6
     res["hooks_total_ms"] = hook / 1e6
     if cfg.profile:  # one more pass under cProfile: where the hooks' Python time goes
         import cProfile
@@ -1021,8 +997,7 @@ def print_tables(rows, link_gbps, cfg_of):
                 cc = r["c_calls"]
                 parts = [f"{n} x{c['n']} p50 {c['p50']:.1f} p90 {c['p90']:.1f} p99 {c['p99']:.1f} max {c['max']:.0f} us"
                          f" ({c['total_ms']:.2f} ms)" for n, c in cc.items() if isinstance(c, dict)]
-                print(f"{'':<18}  C calls over 2 more passes each binding: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms "
-                      f"(CDLL), {cc['hooks_pydll_ms']:.2f} ms (PyDLL)")
+                print(f"{'':<18}  C calls over 2 more passes: {'; '.join(parts)}; hooks {cc['hooks_total_ms']:.2f} ms")
                 if cc.get("profile"):
                     print(cc["profile"])
         if any(r.get("hook_us", 0) > 30 for r in group):
@@ -1039,10 +1014,11 @@ def main():
     p.add_argument("--tokens", type=int, default=None, help="decode: new tokens (default 64; smoke 8)")
     p.add_argument("--accel-tokens", type=int, default=4, help="decode tokens timed for accelerate")
     p.add_argument("--passes", type=int, default=6, help="(a): passes per batch, first is validation")
-    p.add_argument("--warmup", type=int, default=14,
+    p.add_argument("--warmup", type=int, default=24,
                    help="untimed passes after the validation one, for every variant but accelerate's "
                         "(plan learns in its first step, times its four pipelines over the next twelve, "
-                        "and may move to the one it keeps in the step after)")
+                        "and may move to the one it keeps in the step after; after (a)'s change of batch "
+                        "its recheck, within eight steps, times them again)")
     p.add_argument("--prefill-passes", type=int, default=8, help="(b) prefill: passes, first is validation "
                    "(accelerate's: at most 3)")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")

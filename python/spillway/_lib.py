@@ -145,6 +145,10 @@ _SIGNATURES = {
     "spw_buf_size": (ctypes.c_size_t, [buf_p]),
     "spw_acquire": (status_t, [buf_p, stream_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
     "spw_release": (status_t, [buf_p, stream_t]),
+    "spw_release_acquire": (
+        status_t,
+        [buf_p, stream_t, buf_p, stream_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)],
+    ),
     "spw_prefetch": (status_t, [buf_p, stream_t]),
     "spw_evict": (status_t, [buf_p]),
     "spw_discard": (status_t, [buf_p]),
@@ -256,13 +260,6 @@ lib: ctypes.CDLL = _load()
 #: The file the library was loaded from (or the soname given to the loader).
 path: str = getattr(lib, "_name", "")
 
-#: The same library with calls that keep the GIL (ctypes.PyDLL), for the offload hooks' acquire
-#: and release: a call through `lib` drops the GIL and takes it back, which costs a hook more than
-#: the call itself while another thread of the process is runnable. Only for calls that do not
-#: wait on the host, apart from rare trims (the lock they take is never held by a thread that
-#: needs the GIL: the library never calls into Python).
-hot: ctypes.PyDLL = ctypes.PyDLL(path)
-_declare(hot, ("spw_acquire", "spw_release"))
 
 # C stdio, for spw_summary / spw_config_print_help (they write to a FILE *).
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -688,3 +688,36 @@ def test_parameters_are_swapped_in_their_modules_and_a_replacement_is_kept():
     assert torch.equal(m(x), x @ want @ torch.full((64, 64), 0.5))  # and keeps it
     off.remove()
     assert a.weight is w and torch.equal(w, want)
+
+
+def test_a_block_is_released_with_the_next_acquire():
+    # Inside the top-level forward, a block's release goes with the next block's acquire in one
+    # call (spw_release_acquire); the forward's end releases the last one: nothing stays acquired.
+    m = frozen(make_stack())
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    calls = {"spw_acquire": 0, "spw_release": 0, "spw_release_acquire": 0}
+
+    def counted(name):
+        f = getattr(off, "_c_" + name[4:])
+
+        def w(*a):
+            calls[name] += 1
+            return f(*a)
+        return w
+
+    for name in calls:
+        setattr(off, "_c_" + name[4:], counted(name))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    n = len(off.units)
+    assert calls["spw_acquire"] == 1  # the first unit: nothing pending yet
+    assert calls["spw_release_acquire"] == n - 1
+    assert calls["spw_release"] == 1  # the last unit, at the forward's end
+    assert off.stats()["pinned"]["current"] == 0
+    with torch.no_grad():  # a block called on its own, outside the top-level forward: released at once
+        y = m[2](torch.randn(2, 64))
+    assert calls["spw_release"] == 2 and y.shape == (2, 64)
+    assert off.stats()["pinned"]["current"] == 0
+    off.remove()

@@ -270,6 +270,13 @@ class Offload:
         # before then is what the hooks call (bench/dev/hook_cost.py times the C calls so).
         self._c_acquire = _lib_c.spw_acquire
         self._c_release = _lib_c.spw_release
+        self._c_release_acquire = _lib_c.spw_release_acquire
+        # Inside the top-level forward a unit's C release waits for the next acquire and goes
+        # with it in one call (spw_release_acquire): one crossing and one lock a block, not two.
+        # The record of its last use lands a little later in stream order (later is safe). The
+        # forward's end releases what is still pending, before its step ends.
+        self._pend: Optional[_Unit] = None
+        self._pend_stream: Optional[int] = None
         self._c_sync = _lib_c.spw_stream_synchronize if self._emu else None
         self._raw_stream = self._stream_function()
         self.hook_ns = 0
@@ -422,8 +429,15 @@ class Offload:
         return dset
 
     def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
-        """spw_acquire READ on stream; on emu also wait for the upload (CPU torch reads at once)."""
-        st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+        """spw_acquire READ on stream, after the pending release if any (one call); on emu also
+        wait for the upload (CPU torch reads at once)."""
+        p = self._pend
+        if p is None:
+            st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+        else:
+            self._pend = None  # a failed release acquires nothing: its error is raised below
+            st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, _lib.ACCESS_READ,
+                                         self._devptr_ref)
         if st:
             self._acquire_failed(u, stream, st)
         ptr = self._devptr.value
@@ -457,11 +471,16 @@ class Offload:
         ptr = self._acquire_raw(u, stream)
         dset = u.dev_set
         if u.dev_at != ptr:
-            try:
-                dset = self._point(u, ptr)
-            except BaseException:
-                self._c_release(u.handle, stream)
-                raise
+            spare = u.dev_spare
+            if spare[0][0] == ptr:  # back at the previous address (a slot of the split): swap
+                spare[0], (u.dev_at, u.dev_set) = (u.dev_at, dset), spare[0]
+                dset = u.dev_set
+            else:
+                try:
+                    dset = self._point(u, ptr)
+                except BaseException:
+                    self._c_release(u.handle, stream)
+                    raise
         for d, k, v, _ in dset[1]:
             d[k] = v
         for t, v in dset[2]:
@@ -490,9 +509,22 @@ class Offload:
                 self._forget_slot(u, d, k)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
+        if self._pend is not None:
+            self._flush()
+        if self._depth:
+            self._pend, self._pend_stream = u, u.stream
+            return
         st = self._c_release(u.handle, u.stream)
         if st:
             raise error_for(st)
+
+    def _flush(self) -> None:
+        """The C release left pending by _release, now."""
+        u, self._pend = self._pend, None
+        if u is not None:
+            st = self._c_release(u.handle, self._pend_stream)
+            if st:
+                raise error_for(st)
 
     def _forget_slot(self, u: _Unit, d: Dict[str, Any], k: str) -> None:
         """Stop swapping d[k]: the module stored a tensor of its own there during a forward."""
@@ -624,6 +656,7 @@ class Offload:
                 for u in list(self._acquired.values()):
                     u.refs = 1
                     self._release(u)
+                self._flush()
             finally:
                 if saved is not None:
                     saved.__exit__(None, None, None)
