@@ -284,6 +284,8 @@ static void tune_early(spw_policy *p, uint64_t now) {
             best_t = t;
         }
     }
+    /* timed again: the pipeline in force stays unless clearly beaten */
+    if (p->retunes && best != p->chosen && !(best_t < RETIME_MARGIN * p->trial_t[p->chosen])) best = p->chosen;
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
     p->slot_broken = 0;

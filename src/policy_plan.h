@@ -45,10 +45,14 @@ extern _Thread_local int spw__plan_hash_oom;
 /* After the choice, two steps in every RECHECK_EVERY end waiting for their device work, and the
  * second is timed as a trial step was. A time off the chosen pipeline's trial time by more than
  * RETUNE_RATIO either way (the work of a step changed: another batch size, another sequence
- * length) starts the trials again. On a caller that waits for every step anyway the waits cost
- * nothing; on one that runs ahead, two host waits in eight steps. */
-#define RECHECK_EVERY 8
+ * length) starts the trials again, and their best replaces the pipeline in force only if it beats
+ * that pipeline's own new time by RETIME_MARGIN (trial steps that wait are noisier than steps that
+ * run ahead: on the H200, Llama decoding timed its four pipelines within 7% of each other, and the
+ * narrow winner ran 10% slower than the incumbent). On a caller that waits for every step anyway
+ * the waits cost nothing; on one that runs ahead, two host waits in RECHECK_EVERY steps. */
+#define RECHECK_EVERY 32
 #define RETUNE_RATIO 1.25
+#define RETIME_MARGIN 0.9
 /* SLOT is left for the best other pipeline when, after the timing chose it, this many of the last
  * eight steps found its premise broken: the fixed set displaced (taken up again at a step
  * boundary) or the device memory trimmed during the step (the room no longer one piece: an

@@ -87,7 +87,7 @@ static void pipeline_timed_again_when_the_work_changes(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
     char *text = NULL;
-    int64_t busy = phases_bytes(0, 16, 12000, 32, false, &text);
+    int64_t busy = phases_bytes(0, 16, 12000, 56, false, &text);
     if (!(busy >= 12)) fail_msg("12 ms of work a buffer after 16 idle steps: %lld buffers in 3 steps, want 12-15\n%s",
                                 (long long)busy, text);
     assert_non_null(strstr(text, "timed again 1 times"));

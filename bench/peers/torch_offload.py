@@ -693,11 +693,16 @@ def c_call_profile(cfg, off, fn, passes=2):
 
 
 def greedy(model, ids, n, keep1):
+    """n greedy tokens with the KV cache. Each step's tokens are read on the host, as
+    generate() does for its stopping criteria (it stops on end of sequence; here the count is
+    fixed), so the host runs at most one token ahead of the device, in every variant alike."""
     kw = {"logits_to_keep": 1} if keep1 else {}
     out = model(input_ids=ids, use_cache=True, **kw)
     toks = [out.logits[:, -1, :].argmax(-1, keepdim=True)]
     past = out.past_key_values
+    seen = []
     for _ in range(n - 1):
+        seen.append(toks[-1].cpu())
         out = model(input_ids=toks[-1], past_key_values=past, use_cache=True, **kw)
         past = out.past_key_values
         toks.append(out.logits[:, -1, :].argmax(-1, keepdim=True))
@@ -849,7 +854,7 @@ def run_child(cfg, workload, name):
             log(f"b/{name} prefill: {r['ms']:.1f} ms/pass, equal {r['equal']} ({time.perf_counter() - t:.1f} s)")
 
             n = min(cfg.accel_tokens, cfg.tokens) if accel else cfg.tokens
-            warm = n if is_ref else min(2, n)
+            warm = n  # a whole generation: a learning policy settles on decoding steps too
             t = time.perf_counter()
             toks = greedy(model, ids, warm, keep1)  # warm-up (and plan's first step), validated
             sync(cfg)
@@ -1014,11 +1019,11 @@ def main():
     p.add_argument("--tokens", type=int, default=None, help="decode: new tokens (default 64; smoke 8)")
     p.add_argument("--accel-tokens", type=int, default=4, help="decode tokens timed for accelerate")
     p.add_argument("--passes", type=int, default=6, help="(a): passes per batch, first is validation")
-    p.add_argument("--warmup", type=int, default=24,
+    p.add_argument("--warmup", type=int, default=48,
                    help="untimed passes after the validation one, for every variant but accelerate's "
                         "(plan learns in its first step, times its four pipelines over the next twelve, "
                         "and may move to the one it keeps in the step after; after (a)'s change of batch "
-                        "its recheck, within eight steps, times them again)")
+                        "its recheck, within 32 steps, times them again)")
     p.add_argument("--prefill-passes", type=int, default=8, help="(b) prefill: passes, first is validation "
                    "(accelerate's: at most 3)")
     p.add_argument("--decode-passes", type=int, default=1, help="(b) decode: timed generations after a warm-up")
