@@ -64,11 +64,12 @@ from ._units import (_DevSet, _Saved, _Unit, _align, _default_blocks, _module_na
 _lib_c = _lib.lib
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-# Sets of device tensors per unit, each over one of its recent device addresses: the static split
-# streams each unit through one of two slots of its room, alternating step by step (every
-# streamed unit on emu, bench/dev/mixed_units.c), and lru cycles a unit through a few places;
-# a set costs a few empty tensors, a re-point 25-40 us of the hook on the H200.
-_DEV_SETS = 8
+# Sets of device tensors per unit, at most, each over one of its recent device addresses: the
+# static split streams each unit through one of two slots of its room, alternating step by step
+# (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
+# worth of places (16 in a 2 GiB budget of 128 MiB blocks, where 8 sets re-pointed every streamed
+# unit every pass). A set costs empty tensors; a re-point, 10-40 us of a hook on the H200.
+_DEV_SETS = 32
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 
 
@@ -325,19 +326,23 @@ class Offload:
         u.handle = u.buf.handle
         u.pack = raw
         u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries if e.is_buffer)
-        # Made here, once: normal tensors (not inference tensors, whatever mode offload() runs
-        # in), usable with autograd. Re-pointing them then needs no inference_mode(False) switch,
-        # which cost 16 of a re-point's 41 us on the H200.
-        sets: List[_DevSet] = []
-        for _ in range(_DEV_SETS):
-            with torch.inference_mode(False):
-                devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
-            slots = tuple((d, k, v, e.tensor) for e, v in zip(u.entries, devs) if not e.is_buffer
-                          for d, k in owners.get(id(e.tensor), ()))
-            sets.append((devs, slots, tuple((e.tensor, v) for e, v in zip(u.entries, devs) if e.is_buffer)))
-        u.dev_set, u.dev_spare = sets[0], [(0, x) for x in sets[1:]]
+        u.slot_plan = (tuple((d, k, i) for i, e in enumerate(u.entries) if not e.is_buffer
+                             for d, k in owners.get(id(e.tensor), ())),
+                       tuple(i for i, e in enumerate(u.entries) if e.is_buffer))
+        u.dev_set, u.dev_at = self._new_set(u), 0
+        u.dev_sets = {0: u.dev_set}
         for e in u.entries:
             e.tensor.data = e.host_view
+
+    def _new_set(self, u: _Unit) -> _DevSet:
+        """A set of device tensors for u, pointing nowhere yet: normal tensors (not inference
+        tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
+        inference_mode(False) switch (16 of a re-point's 41 us on the H200)."""
+        with torch.inference_mode(False):
+            devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
+        slots, bufs = u.slot_plan
+        return (devs, tuple((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots),
+                tuple((u.entries[i].tensor, devs[i]) for i in bufs))
 
     @staticmethod
     def _typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -407,24 +412,23 @@ class Offload:
         return self._raw_stream(self._dev_index) or None
 
     def _point(self, u: _Unit, ptr: int) -> _DevSet:
-        """u's set of device tensors over u at address ptr, made current. A unit has _DEV_SETS
-        sets, each over one of its recent addresses; one found at none of them re-points the
-        least recently used set: one storage and one Tensor.set_ per entry."""
-        if u.dev_at == ptr:
-            return u.dev_set
-        spare = u.dev_spare
-        for i, (at, dset) in enumerate(spare):
-            if at == ptr:
-                del spare[i]
-                spare.insert(0, (u.dev_at, u.dev_set))
-                u.dev_at, u.dev_set = ptr, dset
-                return dset
-        self.view_builds += 1
-        _, dset = spare.pop()
-        storage = _storage_at(ptr, u.nbytes, self.device)
-        for e, d in zip(u.entries, dset[0]):
-            d.set_(storage, e.elem_offset, e.shape, e.stride)
-        spare.insert(0, (u.dev_at, u.dev_set))
+        """u's set of device tensors over u at address ptr, made current: the one already there,
+        else a new one (up to _DEV_SETS), else the least recently used one re-pointed: one
+        storage and one Tensor.set_ per entry."""
+        sets = u.dev_sets
+        dset = sets.pop(ptr, None)
+        if dset is None:
+            self.view_builds += 1
+            if 0 in sets:
+                dset = sets.pop(0)
+            elif len(sets) < _DEV_SETS:
+                dset = self._new_set(u)
+            else:
+                dset = sets.pop(next(iter(sets)))
+            storage = _storage_at(ptr, u.nbytes, self.device)
+            for e, d in zip(u.entries, dset[0]):
+                d.set_(storage, e.elem_offset, e.shape, e.stride)
+        sets[ptr] = dset
         u.dev_at, u.dev_set = ptr, dset
         return dset
 
@@ -471,10 +475,11 @@ class Offload:
         ptr = self._acquire_raw(u, stream)
         dset = u.dev_set
         if u.dev_at != ptr:
-            spare = u.dev_spare
-            if spare[0][0] == ptr:  # back at the previous address (a slot of the split): swap
-                spare[0], (u.dev_at, u.dev_set) = (u.dev_at, dset), spare[0]
-                dset = u.dev_set
+            sets = u.dev_sets
+            dset = sets.pop(ptr, None)
+            if dset is not None:  # at an address seen before (the split's slots, lru's places)
+                sets[ptr] = dset
+                u.dev_at, u.dev_set = ptr, dset
             else:
                 try:
                     dset = self._point(u, ptr)
@@ -531,8 +536,9 @@ class Offload:
         def drop(dset: _DevSet) -> _DevSet:
             return dset[0], tuple(x for x in dset[1] if x[0] is not d or x[1] != k), dset[2]
 
-        u.dev_set = drop(u.dev_set)
-        u.dev_spare = [(at, drop(x)) for at, x in u.dev_spare]
+        u.dev_sets = {at: drop(x) for at, x in u.dev_sets.items()}
+        u.dev_set = u.dev_sets[u.dev_at]
+        u.slot_plan = (tuple(x for x in u.slot_plan[0] if x[0] is not d or x[1] != k), u.slot_plan[1])
 
     def _write_back(self, u: _Unit) -> None:
         for e, ver in u.versions:
@@ -832,7 +838,7 @@ class Offload:
                 e.tensor.data = fresh
                 e.host_view = None
             u.host_pairs = ()
-            u.dev_set, u.dev_spare = None, []
+            u.dev_set, u.dev_sets = None, {}
             u.dev_at = 0
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)

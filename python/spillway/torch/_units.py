@@ -85,7 +85,7 @@ class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
-                 "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_spare")
+                 "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_sets", "slot_plan")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -102,13 +102,16 @@ class _Unit:
         self.versions: List[Tuple[_Entry, int]] = []
         # (buffer, its host view) for each buffer entry: what release points buffers back at
         self.host_pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
-        # The device tensors over the unit at device address dev_at, as a _DevSet; dev_spare:
-        # other such sets as (address, set), most recently used first (address 0: not pointed
-        # yet). Made once; a set is re-pointed (Tensor.set_) when the unit comes back at none of
-        # their addresses.
+        # The device tensors over the unit at device address dev_at, as a _DevSet; dev_sets: every
+        # set made, by the address it points at (dev_set among them; 0: not pointed yet), least
+        # recently used first. A set is made the first time the unit comes to an address, up to
+        # a number; past it the least recently used one is re-pointed (Tensor.set_).
         self.dev_set: Optional[_DevSet] = None
         self.dev_at = 0
-        self.dev_spare: List[Tuple[int, _DevSet]] = []
+        self.dev_sets: Dict[int, _DevSet] = {}
+        # What a set swaps: (holder's _parameters dict, key, entry index) for each parameter
+        # slot, and the entry indices of buffers.
+        self.slot_plan: Tuple[Tuple[Tuple[Dict[str, Any], str, int], ...], Tuple[int, ...]] = ((), ())
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)
