@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Host time of spillway.torch.offload's forward hooks per block acquired, split into the C calls
-(spw_acquire, spw_release, and on emu spw_stream_synchronize, through ctypes) and the Python
+(spw_acquire, spw_release, spw_release_acquire, and on emu spw_stream_synchronize, through ctypes) and the Python
 around them, next to the costs of the pieces the hooks are made of.
 
 Model: nn.Sequential of --layers nn.Linear(--dim, --dim) (bias with --bias), frozen; each Linear
@@ -55,8 +55,9 @@ from spillway import _lib  # noqa: E402
 from spillway.torch import _offload, _units  # noqa: E402
 
 MIB = 1 << 20
-_C_CALLS = ("spw_acquire", "spw_release", "spw_stream_synchronize", "spw_step_begin", "spw_step_end")
-_TIMED = _C_CALLS[:3]  # the calls a hook makes; the step calls are made outside the hooks' clock
+_C_CALLS = ("spw_acquire", "spw_release", "spw_release_acquire", "spw_stream_synchronize", "spw_step_begin",
+            "spw_step_end")
+_TIMED = _C_CALLS[:4]  # the calls a hook makes; the step calls are made outside the hooks' clock
 
 
 def parse() -> argparse.Namespace:
@@ -196,7 +197,7 @@ def run_one(a, model, x, ref, budget, policy, lib_c, wrapper_ns=0.0):
                         calls = sum(len(lib_c.ns[k]) for k in _TIMED)
                         c_calls.append(c / n)
                         py.append(hook[-1] - (c + wrapper_ns * calls) / n)
-                        acq_ns += lib_c.ns["spw_acquire"]
+                        acq_ns += lib_c.ns["spw_acquire"] + lib_c.ns["spw_release_acquire"]
                         lib_c.reset()
                 h1 = off.hook_stats()
                 moved = off.stats()["bytes_h2d"]["total"] - s0
