@@ -526,7 +526,7 @@ SPW_API spw_status spw_release_acquire(spw_buf *done, spw_stream done_stream, sp
         leave(done);
         return st;
     }
-    if (b->ctx != done->ctx || atomic_load(&b->magic) != SPW_BUF_ALIVE) {
+    if (atomic_load(&b->magic) != SPW_BUF_ALIVE || b->ctx != done->ctx) {
         leave(done); /* another context, or a handle to check: the plain call, on its own lock */
         return spw_acquire(b, s, mode, devptr);
     }
@@ -610,7 +610,6 @@ static spw_status step(spw_ctx *ctx, bool begin) {
     spw__res_collapse_poll(ctx);
     spw__pf_step(ctx, begin); /* a prefetch still pending belongs to the step that ends */
     if (!begin && e->pops->time_steps && e->pops->time_steps(e->pol)) spw__step_wait(ctx);
-    else if (!begin) spw__step_wait_destroy(ctx); /* timing over (or never): handles not kept */
     if (begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);

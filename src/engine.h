@@ -148,7 +148,7 @@ void spw__res_collapse_poll(spw_ctx *ctx);
  * host for the last use of every buffer released in the step. Context lock held; released while
  * waiting. Best effort: any failure skips the wait. ---- */
 void spw__step_wait(spw_ctx *ctx);
-/* The engine's wait stream and event, if made: at teardown, and once the policy stops timing. */
+/* The engine's wait stream and event, if made (kept from the first timed step on): at teardown. */
 void spw__step_wait_destroy(spw_ctx *ctx);
 
 /* ---- prefetch_thread.c: the policy's after-acquire prefetches on a worker (option

@@ -609,7 +609,7 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
                  p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
         if (p->retunes) {
             size_t used = strlen(b);
-            snprintf(b + used, n - used, "; timed again %u times (the step time moved)", p->retunes);
+            snprintf(b + used, n - used, "; timed again after the step time moved (%u so far)", p->retunes);
         }
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);

@@ -12,7 +12,7 @@ import ctypes.util
 import enum
 import os
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 #: The names of SPW_STAT_LIST in include/spillway.h, in order; each is a spw_counter field.
 STAT_NAMES = (
@@ -238,28 +238,22 @@ def find_library() -> str:
     )
 
 
-def _declare(lib: ctypes.CDLL, names: Iterable[str]) -> None:
-    for name in names:
-        restype, argtypes = _SIGNATURES[name]
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-
-
 def _load() -> ctypes.CDLL:
     path = find_library()
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise OSError(f"spillway: could not load {path}: {e}") from e
-    _declare(lib, _SIGNATURES)
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
     return lib
 
 
 lib: ctypes.CDLL = _load()
 #: The file the library was loaded from (or the soname given to the loader).
 path: str = getattr(lib, "_name", "")
-
 
 # C stdio, for spw_summary / spw_config_print_help (they write to a FILE *).
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

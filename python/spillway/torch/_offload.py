@@ -735,7 +735,8 @@ class Offload:
     def hook_stats(self) -> Dict[str, int]:
         """Counters of the Python side: hook_ns (host time in the hooks), acquires (spw_acquire
         calls by hooks and backward), view_hits/view_builds (the unit's device tensors found over
-        its address / re-pointed there: it was at neither of its two latest addresses),
+        its address / made or re-pointed there: an address it had not been at, or not among
+        its latest _DEV_SETS),
         steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
         buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
         aliased a unit being released, copied so they outlive it)."""
