@@ -1,9 +1,9 @@
 /* The offload engine under threads (run under ThreadSanitizer in CI): several threads, each
  * with its own stream and buffers, plus read-only buffers shared by all, do random acquires,
- * releases, prefetches, evictions, discards and host reads under a budget that holds a fraction
- * of the data, while another thread allocates with spw_malloc (evicting buffers). Checks: every
- * kernel sees the expected bytes, every buffer's final bytes match its model, the budget holds
- * after every operation. */
+ * releases (some in one call with the next acquire), prefetches, evictions, discards and host
+ * reads under a budget that holds a fraction of the data, while another thread allocates with
+ * spw_malloc (evicting buffers). Checks: every kernel sees the expected bytes, every buffer's
+ * final bytes match its model, the budget holds after every operation. */
 #include "test_util.h"
 
 #include <pthread.h>
@@ -97,13 +97,21 @@ static void *worker(void *arg) {
                 assert_ok(spw_launch_host(g_ctx, w->s, kernel, k));
                 assert_ok(spw_release(b, w->s));
             }
-        } else if (r < 65) { /* verify a shared read-only buffer */
+        } else if (r < 65) { /* verify a shared read-only buffer, then (one time in two) an own
+                              * buffer acquired by the call that releases the shared one */
             int j = (int)(test_rand(&w->rng) % SHARED);
             if (!(st = spw_acquire(g_shared[j], w->s, SPW_ACCESS_READ, &d))) {
                 karg *k = next_arg(w);
                 *k = (karg){d, (uint8_t)(100 + j), 0, 0};
                 assert_ok(spw_launch_host(g_ctx, w->s, kernel, k));
-                assert_ok(spw_release(g_shared[j], w->s));
+                if (test_rand(&w->rng) % 2) {
+                    assert_ok(spw_release(g_shared[j], w->s));
+                } else if (!(st = spw_release_acquire(g_shared[j], w->s, b, w->s, SPW_ACCESS_READ, &d))) {
+                    k = next_arg(w);
+                    *k = (karg){d, w->seed[i], w->add[i], 0};
+                    assert_ok(spw_launch_host(g_ctx, w->s, kernel, k));
+                    assert_ok(spw_release(b, w->s));
+                }
             }
         } else if (r < 72) {
             st = spw_prefetch(b, w->s);
