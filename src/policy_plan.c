@@ -149,6 +149,12 @@ static bool prefetching(const spw_ctx *ctx) {
     return pf == SPW_TRI_ON || (pf == SPW_TRI_AUTO && !ctx->dev.emulated);
 }
 
+/* prefetch_early=auto where prefetch runs: the pipeline is chosen by timing steps. */
+static bool auto_pipeline(const spw_ctx *ctx) { return ctx->cfg.prefetch_early < 0 && prefetching(ctx); }
+
+/* A pipeline was chosen by timing and is in force (then rechecked); false while timing. */
+static bool chosen_by_timing(const spw_policy *p) { return p->trial < 0 && auto_pipeline(p->ctx); }
+
 static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     spw_policy *p = calloc(1, sizeof *p);
     if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "policy plan: out of host memory");
@@ -160,7 +166,7 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     p->ctx = ctx;
     /* the trial runs only where prefetch is on; elsewhere (off, or auto on the instant emu)
      * the early depth has no effect beyond user hints, judged by the floor rule */
-    bool tune = ctx->cfg.prefetch_early < 0 && prefetching(ctx);
+    bool tune = auto_pipeline(ctx);
     p->trial = tune ? 0 : -1;
     p->early_max = tune ? EARLY_TRIALS[0] : SPW_MAX(ctx->cfg.prefetch_early, 0);
     *out = p;
@@ -169,7 +175,7 @@ static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
 
 /* Pipeline trials and rechecks compare step times, which must be the steps' device time. */
 static bool plan_time_steps(spw_policy *p) {
-    return p->trial >= 0 || (p->tuned && (p->since_tuned + 2) % RECHECK_EVERY < 2);
+    return p->trial >= 0 || (chosen_by_timing(p) && (p->since_tuned + 2) % RECHECK_EVERY < 2);
 }
 
 static void plan_destroy(spw_policy *p) {
@@ -237,7 +243,6 @@ static void trials_start(spw_policy *p) {
     memset(p->trial_ns, 0, sizeof p->trial_ns);
     memset(p->trial_bytes, 0, sizeof p->trial_bytes);
     p->early_max = EARLY_TRIALS[0];
-    p->tuned = false;
     p->slot_left = false;
 }
 
@@ -260,7 +265,7 @@ static void recheck(spw_policy *p, uint64_t now) {
  * fastest pipeline stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing
  * and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
-    if (p->tuned) recheck(p, now);
+    if (chosen_by_timing(p)) recheck(p, now);
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
     if (p->trial_step++ > 0) { /* the first step of a trial settles the change of resident set */
         p->trial_ns[p->trial] += now - p->step_t0;
@@ -289,7 +294,6 @@ static void tune_early(spw_policy *p, uint64_t now) {
     p->early_max = EARLY_TRIALS[best];
     p->trial = -1;
     p->slot_broken = 0;
-    p->tuned = true;
     p->chosen = best;
     p->since_tuned = 0;
 }
@@ -600,7 +604,7 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     } else if (p->trial >= 0) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
                  p->retunes ? ", again: the step time moved" : "");
-    } else if (p->ctx->cfg.prefetch_early < 0) {
+    } else if (chosen_by_timing(p)) {
         double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),

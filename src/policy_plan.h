@@ -117,8 +117,7 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
-    bool tuned;                     /* a pipeline was chosen by timing (then rechecked) */
-    int chosen;                     /* its index into EARLY_TRIALS */
+    int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
     uint32_t since_tuned;           /* steps begun since the choice */
     uint32_t retunes;               /* trials started again by a recheck */
     uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */

@@ -395,8 +395,8 @@ class Offload:
     # Each block costs a pre-hook and a forward hook per forward, on the host, before its kernels
     # are enqueued. So an acquire is one ctypes call (two on emu), an address compare and one
     # dict store per parameter holder, and a release the reverse: the functions are bound at
-    # offload(), a unit's device tensors are built once and re-pointed when the unit moves to
-    # a third address, and the hooks allocate nothing for a unit of parameters
+    # offload(), a unit's device tensors are made once per address it comes to (up to
+    # _DEV_SETS, then re-pointed), and the hooks allocate nothing for a unit of parameters
     # whose module returns one tensor.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on
@@ -533,12 +533,12 @@ class Offload:
 
     def _forget_slot(self, u: _Unit, d: Dict[str, Any], k: str) -> None:
         """Stop swapping d[k]: the module stored a tensor of its own there during a forward."""
-        def drop(dset: _DevSet) -> _DevSet:
-            return dset[0], tuple(x for x in dset[1] if x[0] is not d or x[1] != k), dset[2]
+        def drop(slots: Tuple[Any, ...]) -> Tuple[Any, ...]:  # entries (dict, key, ...) but d[k]
+            return tuple(x for x in slots if x[0] is not d or x[1] != k)
 
-        u.dev_sets = {at: drop(x) for at, x in u.dev_sets.items()}
+        u.dev_sets = {at: (x[0], drop(x[1]), x[2]) for at, x in u.dev_sets.items()}
         u.dev_set = u.dev_sets[u.dev_at]
-        u.slot_plan = (tuple(x for x in u.slot_plan[0] if x[0] is not d or x[1] != k), u.slot_plan[1])
+        u.slot_plan = (drop(u.slot_plan[0]), u.slot_plan[1])
 
     def _write_back(self, u: _Unit) -> None:
         for e, ver in u.versions:
