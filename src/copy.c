@@ -44,12 +44,14 @@ spw_status spw__copy_record_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
         b->host_in_dev = false;
     }
     b->dev_waited = false;
+    b->dev_done = false;
     return OPS(ctx)->event_record(BE(ctx), b->ev_dev, s);
 }
 
 spw_status spw__copy_order_dev(spw_ctx *ctx, spw_buf *b, spw_stream s) {
     if (!b->dev_touched || b->dev_s == s) return SPW_OK; /* nothing to wait for, or stream order */
     if (b->dev_rec && b->dev_waited && b->dev_waiter == s) return SPW_OK; /* waits already */
+    if (b->dev_rec && b->dev_done) return SPW_OK; /* the last touch is complete */
     spw_status st;
     if (!b->dev_rec) {
         /* the last touches are plain work on dev_s: mark their end */
@@ -190,6 +192,7 @@ static spw_status upload_done(spw_ctx *ctx, spw_buf *b, size_t n) {
     b->host_rec = false;
     b->host_in_dev = true;
     b->xfer = true;
+    spw__pf_watch(ctx, b);
     spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)n);
     return SPW_OK;
 }

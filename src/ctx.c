@@ -49,10 +49,25 @@ void spw__stat_event(spw_counter *c) {
     c->peak = c->current;
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* A short spin before blocking: the prefetch worker's questions hold the lock for about a
+ * microsecond, and blocking would make both sides take system calls (the wait, the wake). */
 void spw__ctx_lock(spw_ctx *ctx) {
     if (pthread_mutex_trylock(&ctx->lock) == 0) return;
     uint64_t t0 = spw__now_ns();
+    for (int i = 0; i < 512; i++) {
+        cpu_relax();
+        if (pthread_mutex_trylock(&ctx->lock) == 0) goto held;
+    }
     pthread_mutex_lock(&ctx->lock);
+held:
     spw__stat_event(&ctx->stats.lock_waits);
     spw__stat_add(&ctx->stats.lock_wait_ns, (int64_t)(spw__now_ns() - t0));
 }

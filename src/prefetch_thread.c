@@ -31,6 +31,16 @@
  *   Contract: the stream of such a release must stay valid until the next spw_step_end, the
  *   buffer's eviction or destruction, or the context's destruction: each of them records what
  *   is still pending.
+ * - Watches: an upload enqueued while the worker runs goes on its watch list. While a step is
+ *   open the worker asks the driver, at most every WATCH_NS and under the lock (taken by trying,
+ *   as above), whether the oldest watched upload is complete, and sets its dev_done. An acquire
+ *   of a watched buffer then asks nothing: complete means no wait; not yet seen complete means
+ *   its stream waits on the upload's event (perhaps complete a moment ago: a wait on a complete
+ *   event costs the device nothing). So the caller's call makes one driver call at most, where
+ *   it made two (the query, then the wait), and none once the upload is done: on the H200 each
+ *   cost 4-5 us of a framework hook's host time. Uploads share one stream and complete in
+ *   order, so one question a poll is enough; an entry whose buffer was since evicted, waited
+ *   on or touched again is dropped.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -39,13 +49,19 @@
 
 #include "engine.h"
 
-enum { PF_MARKS = 64 };
+enum { PF_MARKS = 64, PF_WATCH = 64 };
+#define WATCH_NS 20000 /* between two questions about the oldest watched upload */
 
 struct spw_pf {
     spw_buf *marks[PF_MARKS]; /* released buffers whose last use is not yet recorded (lock) */
     int nmarks;
     atomic_bool marked;    /* marks were added since the worker last took them */
     atomic_ullong nrec;    /* marks recorded by the worker (tests) */
+    spw_buf *watch[PF_WATCH]; /* uploads to watch, oldest first, a ring (lock) */
+    int whead, nwatch;
+    atomic_int watching;   /* nwatch, read by the polling worker without the lock */
+    uint64_t last_poll;    /* spw__now_ns of the latest question (worker only) */
+    atomic_ullong seen;    /* uploads seen complete (tests) */
     pthread_t thread;
     pthread_cond_t wake;
     atomic_bool pending;   /* posts since the worker's last prefetch */
@@ -72,6 +88,31 @@ static void marks_record(spw_ctx *ctx, struct spw_pf *w) {
     w->nmarks = 0;
 }
 
+/* Lock held: the oldest watched uploads that are complete get dev_done; stops at the first one
+ * still running (the H2D stream completes them in order). */
+static void watch_poll(spw_ctx *ctx, struct spw_pf *w) {
+    struct spw_engine *e = ctx->engine;
+    while (w->nwatch) {
+        spw_buf *b = w->watch[w->whead];
+        if (b->resident && b->xfer && b->dev_rec && !b->dev_done && b->dev_s == e->h2d) {
+            spw_status q = ctx->backend->ops->event_query(ctx->backend, b->ev_dev);
+            if (q != SPW_OK) {
+                if (q != SPW_ERR_NOT_READY) spw__error_clear(); /* acquires wait as without a watch */
+                return;
+            }
+            b->dev_done = true;
+            atomic_fetch_add(&w->seen, 1);
+        }
+        b->watched = false;
+        w->whead = (w->whead + 1) % PF_WATCH;
+        atomic_store(&w->watching, --w->nwatch);
+    }
+}
+
+static bool watch_due(struct spw_pf *w) {
+    return atomic_load(&w->watching) && spw__now_ns() - w->last_poll >= WATCH_NS;
+}
+
 static void *pf_main(void *arg) {
     spw_ctx *ctx = arg;
     struct spw_pf *w = ctx->engine->pf;
@@ -89,9 +130,13 @@ static void *pf_main(void *arg) {
             continue;
         }
         if (atomic_load(&w->step_open)) {
+            if (watch_due(w)) {
+                w->last_poll = spw__now_ns();
+                watch_poll(ctx, w);
+            }
             pthread_mutex_unlock(&ctx->lock);
             while (atomic_load(&w->step_open) && !atomic_load(&w->pending) && !atomic_load(&w->marked) &&
-                   !atomic_load(&w->stop))
+                   !atomic_load(&w->stop) && !watch_due(w))
                 sched_yield();
             /* A post is made under the lock, so the poster still holds it: wait by trying, not
              * by blocking, or its unlock would have to wake this thread (a system call in the
@@ -119,6 +164,8 @@ static struct spw_pf *pf_get(spw_ctx *ctx) {
     atomic_init(&w->runs, 0);
     atomic_init(&w->marked, false);
     atomic_init(&w->nrec, 0);
+    atomic_init(&w->watching, 0);
+    atomic_init(&w->seen, 0);
     e->pf = w;
     if (pthread_cond_init(&w->wake, NULL)) {
         w->failed = true;
@@ -172,6 +219,33 @@ void spw__pf_unmark(spw_ctx *ctx, spw_buf *b) {
     mark_record(ctx, b);
 }
 
+bool spw__pf_watch(spw_ctx *ctx, spw_buf *b) {
+    struct spw_pf *w = ctx->engine->pf;
+    if (!w || w->failed || b->watched || w->nwatch == PF_WATCH) return false;
+    w->watch[(w->whead + w->nwatch) % PF_WATCH] = b;
+    atomic_store(&w->watching, ++w->nwatch);
+    b->watched = true;
+    return true;
+}
+
+void spw__pf_unwatch(spw_ctx *ctx, spw_buf *b) {
+    struct spw_pf *w = ctx->engine->pf;
+    if (!b->watched || !w) return;
+    int n = 0; /* the ring without b, in order */
+    for (int i = 0; i < w->nwatch; i++) {
+        spw_buf *x = w->watch[(w->whead + i) % PF_WATCH];
+        if (x != b) w->watch[(w->whead + n++) % PF_WATCH] = x;
+    }
+    w->nwatch = n;
+    atomic_store(&w->watching, n);
+    b->watched = false;
+}
+
+uint64_t spw__pf_seen(spw_ctx *ctx) {
+    struct spw_pf *w = ctx->engine->pf;
+    return w ? (uint64_t)atomic_load(&w->seen) : 0;
+}
+
 uint64_t spw__pf_marked(spw_ctx *ctx) {
     struct spw_pf *w = ctx->engine->pf;
     return w ? (uint64_t)atomic_load(&w->nrec) : 0;
@@ -200,6 +274,7 @@ void spw__pf_stop(spw_ctx *ctx) {
     if (!w->failed) {
         pthread_mutex_lock(&ctx->lock);
         marks_record(ctx, w); /* teardown then waits on every buffer's last use as without it */
+        for (; w->nwatch; w->nwatch--, w->whead = (w->whead + 1) % PF_WATCH) w->watch[w->whead]->watched = false;
         atomic_store(&w->stop, true);
         pthread_cond_signal(&w->wake);
         pthread_mutex_unlock(&ctx->lock);

@@ -43,8 +43,10 @@ How it works, and the contracts it keeps:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import operator
 import os
 import time
 import weakref
@@ -58,10 +60,16 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
-from ._units import (_DevSet, _Saved, _Unit, _align, _default_blocks, _module_names, _param_owners, _plan_units,
-                     _storage_at)
+from ._units import (_DevSet, _Saved, _Unit, _align, _columns, _default_blocks, _module_names, _param_owners,
+                     _plan_units, _storage_at)
 
 _lib_c = _lib.lib
+_READ = _lib.ACCESS_READ
+# The swaps of a set's parameter slots, as loops run in C (_units.py says why): _drain consumes
+# an iterator, so _drain(map(_setitem, dicts, names, values)) is `for ...: dicts[i][names[i]] =
+# values[i]`, and all(map(_is, map(_getitem, dicts, names), values)) checks they still hold them.
+_drain = collections.deque(maxlen=0).extend
+_setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
@@ -341,7 +349,7 @@ class Offload:
         with torch.inference_mode(False):
             devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
         slots, bufs = u.slot_plan
-        return (devs, tuple((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots),
+        return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
                 tuple((u.entries[i].tensor, devs[i]) for i in bufs))
 
     @staticmethod
@@ -437,11 +445,10 @@ class Offload:
         wait for the upload (CPU torch reads at once)."""
         p = self._pend
         if p is None:
-            st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+            st = self._c_acquire(u.handle, stream, _READ, self._devptr_ref)
         else:
             self._pend = None  # a failed release acquires nothing: its error is raised below
-            st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, _lib.ACCESS_READ,
-                                         self._devptr_ref)
+            st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, _READ, self._devptr_ref)
         if st:
             self._acquire_failed(u, stream, st)
         ptr = self._devptr.value
@@ -459,7 +466,7 @@ class Offload:
         them; returns when the retry succeeded, else raises (spillway.torch.OutOfMemoryError for
         out of memory)."""
         if st == _lib.Status.ERR_OUT_OF_MEMORY and _alloc.release_torch_cache(self.context):
-            st = self._c_acquire(u.handle, stream, _lib.ACCESS_READ, self._devptr_ref)
+            st = self._c_acquire(u.handle, stream, _READ, self._devptr_ref)
             if not st:
                 return
         err = error_for(st)
@@ -486,8 +493,8 @@ class Offload:
                 except BaseException:
                     self._c_release(u.handle, stream)
                     raise
-        for d, k, v, _ in dset[1]:
-            d[k] = v
+        ds, ks, vs, _ = dset[1]
+        _drain(map(_setitem, ds, ks, vs))
         for t, v in dset[2]:
             t.data = v
         if u.buffer_entries:
@@ -507,11 +514,15 @@ class Offload:
             self._write_back(u)
             for t, h in u.host_pairs:
                 t.data = h
-        for d, k, v, p in u.dev_set[1]:
-            if d[k] is v:
-                d[k] = p
-            else:  # the module replaced the parameter during its forward: it keeps its own
-                self._forget_slot(u, d, k)
+        ds, ks, vs, ps = u.dev_set[1]
+        if all(map(_is, map(_getitem, ds, ks), vs)):
+            _drain(map(_setitem, ds, ks, ps))
+        else:
+            for d, k, v, p in zip(ds, ks, vs, ps):
+                if d[k] is v:
+                    d[k] = p
+                else:  # the module replaced the parameter during its forward: it keeps its own
+                    self._forget_slot(u, d, k)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
         if self._pend is not None:
@@ -536,7 +547,7 @@ class Offload:
         def drop(slots: Tuple[Any, ...]) -> Tuple[Any, ...]:  # entries (dict, key, ...) but d[k]
             return tuple(x for x in slots if x[0] is not d or x[1] != k)
 
-        u.dev_sets = {at: (x[0], drop(x[1]), x[2]) for at, x in u.dev_sets.items()}
+        u.dev_sets = {at: (x[0], _columns(drop(tuple(zip(*x[1]))), 4), x[2]) for at, x in u.dev_sets.items()}
         u.dev_set = u.dev_sets[u.dev_at]
         u.slot_plan = (drop(u.slot_plan[0]), u.slot_plan[1])
 
@@ -586,12 +597,18 @@ class Offload:
             t0 = clock()
             units_t, backwards = (inner, inner_back) if self._depth else (every, every_back)
             try:
-                if isinstance(output, tensor):  # the common case, without the generic walk
+                if isinstance(output, tensor):  # the common cases, without the generic walk
                     p = output.data_ptr()
                     for u in units_t:
                         if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
                             self.outputs_cloned += 1
                             output = output.clone()
+                            break
+                elif type(output) is tuple and len(output) == 1 and isinstance(output[0], tensor):
+                    p = output[0].data_ptr()
+                    for u in units_t:
+                        if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
+                            output = self._own_output(output, [u for u in units_t if u.refs == 1], 0)
                             break
                 else:
                     ending = [u for u in units_t if u.refs == 1]

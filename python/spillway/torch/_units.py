@@ -7,7 +7,7 @@ moves the units.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -123,15 +123,25 @@ class _Unit:
 
 
 # One set of device tensors of a unit: (devs, slots, buffer_pairs). devs: a device tensor per
-# entry, in entry order. slots: (module._parameters, name, device tensor, the parameter) for
-# every module that holds a parameter entry: during a forward the module's dict holds the device
+# entry, in entry order. slots: for every module that holds a parameter entry, its
+# module._parameters, the name, the device tensor and the parameter, as four parallel tuples
+# (dicts, names, device tensors, parameters): during a forward the module's dict holds the device
 # tensor, outside it the parameter (whose .data is its host view), so the swap is a dict store
-# and not a .data assignment (a C call that checks and copies the tensor's metadata).
+# and not a .data assignment (a C call that checks and copies the tensor's metadata). Columns,
+# so that a hook swaps them with one map() over operator.setitem: a loop run in C, where the
+# same loop in Python bytecode cost the H200's hooks more (the interpreter's own code is cold by
+# the time a hook runs, after a layer's worth of torch).
 # buffer_pairs: (buffer, device tensor) for each buffer entry: buffers keep their identity (.data
 # is swapped), since modules alias them (a rotary table kept as a plain attribute too) and
 # re-register them during forward.
-_DevSet = Tuple[Tuple[torch.Tensor, ...], Tuple[Tuple[Dict[str, Any], str, torch.Tensor, torch.Tensor], ...],
-                Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]
+_Slots = Tuple[Tuple[Dict[str, Any], ...], Tuple[str, ...], Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]
+_DevSet = Tuple[Tuple[torch.Tensor, ...], _Slots, Tuple[Tuple[torch.Tensor, torch.Tensor], ...]]
+
+
+def _columns(rows: Iterable[Tuple[Any, ...]], width: int) -> Tuple[Tuple[Any, ...], ...]:
+    """rows (tuples of `width` items) as `width` parallel tuples."""
+    cols = tuple(zip(*rows))
+    return cols if cols else ((),) * width
 
 
 def _param_owners(module: nn.Module) -> Dict[int, List[Tuple[Dict[str, Any], str]]]:
