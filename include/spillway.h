@@ -159,7 +159,7 @@ typedef struct spw_counter {
     X(evictions_dirty, 0, "evictions that wrote a dirty device copy back to the host")         \
     X(managed_collapses, 0, "device replicas of evicted read-only managed buffers dropped")   \
     X(prefetch_hits, 0, "acquires of a buffer made resident by a prefetch")                    \
-    X(stalls, 0, "acquires whose stream had to wait on a transfer not yet complete")           \
+    X(stalls, 0, "acquires whose stream had to wait on a transfer not yet known complete")     \
     X(stall_ns, 0, "nanoseconds streams waited on transfers at acquires (with the trace on)") \
     X(buffers_resident, 0, "buffers with a device copy")                                       \
     X(buffers_host, 0, "buffers with only a host copy (or dead)")                              \

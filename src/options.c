@@ -68,7 +68,8 @@ static const opt_def options[] = {
     {"prefetch_thread", OPT_ENUM, "off", "off|on", OFF(prefetch_thread),
      "policy=plan: issue the prefetches that follow each acquire from a worker thread, so that "
      "the acquiring call does not enqueue the next buffers' copies itself; while a step is open "
-     "(spw_step_begin) the worker polls, yielding its core, instead of sleeping"},
+     "(spw_step_begin) the worker polls, yielding its core, instead of sleeping, and watches the "
+     "uploads it enqueued, so that acquiring one it saw complete takes no driver call"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),
