@@ -10,13 +10,19 @@ For every decoder layer, a forward pre-hook that runs before offload()'s own rec
              run so far ahead of the device that the launch waits for a slot in the queue
   C us       host time inside the one C call of the layer's pre-hook (spw_acquire or
              spw_release_acquire), through a timing wrapper
+  query us   an event query (torch's wrapper of one driver call), just after the launch
+  ctypes us  an empty ctypes call into the library (spw_buf_size)
+  touch us   mode touch only: reading what the layer's parameter swap will read
+  pre-hook us  offload()'s pre-hook alone (a pre-hook placed after it reads hook_ns; prefill)
 Modes: "ahead" (as the benchmark runs: the host runs ahead of the device as far as the queue
-lets it) and "drained" (the probe first waits for the current stream, so every layer's hooks
-run with an empty queue; the next layer's upload may still be in flight). Medians over the
-passes per layer position, then the mean over positions.
+lets it), "drained" (the probe first waits for the current stream, so every layer's hooks run
+with an empty queue; the next layer's upload may still be in flight) and "touch" ("ahead" with
+the swap's data read first: the hooks' time falls by what those cold reads cost them). Medians
+over the passes per layer position, then the mean over positions. Before the offload, the
+launch and the query are timed alone (out of any forward) for comparison.
 
     SPILLWAY_LIBRARY=build/libspillway.so PYTHONPATH=python python3 bench/dev/hook_position.py
-    ... --policy plan,lru --passes 6 --tokens 16
+    ... --policy plan,lru --modes ahead,touch --passes 6 --tokens 16 --options ";prefetch_thread=off"
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, c["vocab"], (c["batch"], c["prompt"]), generator=g).to(cfg.dev)
     tiny = torch.zeros(1, device=cfg.dev)
+
     def show_output(m, a, o):
         print(f"a block returns {type(o).__name__}", flush=True)
         shown.remove()
