@@ -438,10 +438,9 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
                        : !b->dev_rec || fresh || b->watched ? SPW_ERR_NOT_READY
                                                             : OPS(ctx)->event_query(BE(ctx), b->ev_dev);
         if (q == SPW_OK) {
-            /* the transfer is complete: s need not wait for it (one driver call less) */
+            /* the transfer is complete: no stream need wait for it (one driver call less) */
             b->xfer = false;
-            b->dev_waited = true;
-            b->dev_waiter = s;
+            b->dev_done = true;
         } else {
             spw__stat_event(&ctx->stats.stalls);
             stall = spw__tsink_span_begin(ctx, s, "stall", "stream", b->bytes, b->id, 1);

@@ -89,8 +89,9 @@ struct spw_buf {
                             * records ev_dev alone; the next record of ev_dev first swaps the two
                             * events, so ev_host then holds it) */
     bool dev_waited;       /* dev_waiter already waits on the current record of ev_dev */
-    bool dev_done;         /* the current record of ev_dev is complete: no stream need wait on it
-                            * (set by the prefetch worker's watch, cleared by every record) */
+    bool dev_done;         /* the current record of ev_dev is known complete: no stream need wait
+                            * on it (set by an acquire's query or the prefetch worker's watch,
+                            * cleared by every record) */
     bool watched;          /* on the prefetch worker's watch list (prefetch_thread.c) */
     spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */

@@ -416,7 +416,8 @@ def test_out_of_memory_during_forward_is_torch_oom(tmp_path):
 
 
 class Slicer(nn.Module):
-    """Returns views of its own weight (a position table): alone, in a tuple, or in a dict."""
+    """Returns views of its own weight (a position table): alone, in a tuple (of one, or with
+    another tensor), or in a dict."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -426,6 +427,8 @@ class Slicer(nn.Module):
     def forward(self, i: int):
         if self.kind == "tensor":
             return self.table[i]
+        if self.kind == "tuple1":
+            return (self.table[i],)
         if self.kind == "tuple":
             return self.table[i], self.table[i + 1] * 2  # a view and a fresh tensor
         return {"row": self.table[i]}
@@ -448,7 +451,7 @@ def flat(out):
     return [t for x in out for t in flat(x)]
 
 
-@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
+@pytest.mark.parametrize("kind", ["tensor", "tuple1", "tuple", "dict"])
 def test_outputs_viewing_a_released_unit_are_copies(kind):
     """A module output that views the unit its forward hook releases is replaced by a copy:
     nothing returned points into device memory that a later eviction reuses."""

@@ -597,18 +597,15 @@ class Offload:
             t0 = clock()
             units_t, backwards = (inner, inner_back) if self._depth else (every, every_back)
             try:
-                if isinstance(output, tensor):  # the common cases, without the generic walk
-                    p = output.data_ptr()
+                # the common cases, a tensor or a 1-tuple of one, without the generic walk
+                only = output if isinstance(output, tensor) else (
+                    output[0] if type(output) is tuple and len(output) == 1 and isinstance(output[0], tensor)
+                    else None)
+                if only is not None:
+                    p = only.data_ptr()
                     for u in units_t:
                         if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
-                            self.outputs_cloned += 1
-                            output = output.clone()
-                            break
-                elif type(output) is tuple and len(output) == 1 and isinstance(output[0], tensor):
-                    p = output[0].data_ptr()
-                    for u in units_t:
-                        if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
-                            output = self._own_output(output, [u for u in units_t if u.refs == 1], 0)
+                            output = self._own_output(output, [x for x in units_t if x.refs == 1], 0)
                             break
                 else:
                     ending = [u for u in units_t if u.refs == 1]
