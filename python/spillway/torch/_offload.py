@@ -265,7 +265,8 @@ class Offload:
         self._needs = needs
         self._trainable = list(trainable.values())
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
-        self._hooks: List[Any] = []
+        # (module, whether its forward was an instance attribute, that attribute): see _wrap_forward
+        self._wrapped: List[Tuple[nn.Module, bool, Any]] = []
         self._ctx_handle = self.context._handle
         self._emu = backend == "emu"
         self._acquired: Dict[int, _Unit] = {}  # devptr -> unit, for the saved-tensor lookup
@@ -374,16 +375,11 @@ class Offload:
     def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
         self._top_units = self._needs.get(id(module), [])
         for m in hooked:
-            if m is module:
-                continue  # the top level acquires its own units inside its forward wrapper
-            units = self._needs[id(m)]
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre(units)))
-            self._hooks.append(m.register_forward_hook(self._make_post(units)))
+            if m is not module:  # the top level acquires its own units inside its forward wrapper
+                self._wrap_forward(m, self._block_forward(m.forward, self._needs[id(m)]))
         self._swap_device_property(module)
-        self._had_forward_attr = "forward" in module.__dict__
-        self._old_forward_attr = module.__dict__.get("forward")
-        inner = module.forward
         me = weakref.ref(self)
+        inner = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             off = me()
@@ -391,21 +387,32 @@ class Offload:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
 
-        # inspect.signature(module.forward) follows __wrapped__: generate() and friends that read
-        # the forward's parameters still see the real ones.
-        forward.__wrapped__ = inner  # type: ignore[attr-defined]
+        self._wrap_forward(module, forward)
+
+    def _wrap_forward(self, m: nn.Module, forward: Any) -> None:
+        """Make forward m's forward (an instance attribute, as accelerate's hooks do); _undo puts
+        back what was there."""
+        inner = m.forward
+        # inspect.signature(m.forward) follows __wrapped__: generate() and friends that read the
+        # forward's parameters still see the real ones.
+        forward.__wrapped__ = inner
         for attr in ("__doc__", "__name__", "__qualname__"):
             if hasattr(inner, attr):
                 setattr(forward, attr, getattr(inner, attr))
-        module.forward = forward  # type: ignore[method-assign]
+        self._wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
+        m.forward = forward  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ hot path
-    # Each block costs a pre-hook and a forward hook per forward, on the host, before its kernels
-    # are enqueued. So an acquire is one ctypes call (two on emu), an address compare and one
-    # dict store per parameter holder, and a release the reverse: the functions are bound at
-    # offload(), a unit's device tensors are made once per address it comes to (up to
-    # _DEV_SETS, then re-pointed), and the hooks allocate nothing for a unit of parameters
-    # whose module returns one tensor.
+    # Each block costs its wrapper's acquire and release per forward, on the host, before its
+    # kernels are enqueued. A wrapper around forward, not a forward pre-hook and forward hook:
+    # nn.Module then keeps its fast path (no hook dispatch) and the acquire and release share
+    # one Python frame. An acquire is one ctypes call (two on emu), an address compare and one
+    # map() of dict stores, a release the reverse: the functions are bound at offload(), a
+    # unit's device tensors are made once per address it comes to (up to _DEV_SETS, then
+    # re-pointed), and the wrappers allocate nothing for a unit of parameters whose module
+    # returns one tensor. Inside an H200 forward every distinct piece of code a wrapper runs
+    # is cold (a layer's worth of torch ran since), so the common case is written out in one
+    # frame (_block_forward) rather than through _acquire and _release.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on
         CUDA (0 is the legacy default stream, passed as NULL), NULL on emu."""
@@ -451,14 +458,17 @@ class Offload:
             st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, _READ, self._devptr_ref)
         if st:
             self._acquire_failed(u, stream, st)
-        ptr = self._devptr.value
         if self._c_sync is not None:
-            st = self._c_sync(self._ctx_handle, None)
-            if st:
-                self._c_release(u.handle, None)
-                raise error_for(st)
+            self._emu_wait(u)
         self.acquires += 1
-        return ptr
+        return self._devptr.value
+
+    def _emu_wait(self, u: _Unit) -> None:
+        """emu: wait for u's upload after its acquire (CPU torch reads device memory at once)."""
+        st = self._c_sync(self._ctx_handle, None)
+        if st:
+            self._c_release(u.handle, None)
+            raise error_for(st)
 
     def _acquire_failed(self, u: _Unit, stream: Optional[int], st: int) -> None:
         """After spw_acquire returned st: out of device memory while PyTorch's allocator (under
@@ -475,34 +485,53 @@ class Offload:
         raise err
 
     def _acquire(self, u: _Unit) -> None:
+        """Acquire u (counted: nested and repeated calls only count) and point its modules at
+        the device copy; _block_forward's common case does the same in its own frame."""
         if u.refs:
             u.refs += 1
             return
         stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
-        dset = u.dev_set
-        if u.dev_at != ptr:
-            sets = u.dev_sets
-            dset = sets.pop(ptr, None)
-            if dset is not None:  # at an address seen before (the split's slots, lru's places)
-                sets[ptr] = dset
-                u.dev_at, u.dev_set = ptr, dset
-            else:
-                try:
-                    dset = self._point(u, ptr)
-                except BaseException:
-                    self._c_release(u.handle, stream)
-                    raise
-        ds, ks, vs, _ = dset[1]
-        _drain(map(_setitem, ds, ks, vs))
+        dset = u.dev_set if u.dev_at == ptr else self._place(u, ptr, stream)
+        _drain(map(_setitem, *dset[1][:3]))
+        if u.buffer_entries:
+            self._buffers_in(u, dset)
+        u.stream, u.devptr, u.refs = stream, ptr, 1
+        self._acquired[ptr] = u
+
+    def _place(self, u: _Unit, ptr: int, stream: Optional[int]) -> _DevSet:
+        """u's device tensors at ptr, an address other than its last one: a set kept from an
+        earlier visit, else one made or re-pointed (_point). Releases u if that fails."""
+        sets = u.dev_sets
+        dset = sets.pop(ptr, None)
+        if dset is not None:  # at an address seen before (the split's slots, lru's places)
+            sets[ptr] = dset
+            u.dev_at, u.dev_set = ptr, dset
+            return dset
+        try:
+            return self._point(u, ptr)
+        except BaseException:
+            self._c_release(u.handle, stream)
+            raise
+
+    def _buffers_in(self, u: _Unit, dset: _DevSet) -> None:
         for t, v in dset[2]:
             t.data = v
-        if u.buffer_entries:
-            u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
-        u.stream = stream
-        u.devptr = ptr
-        u.refs = 1
-        self._acquired[ptr] = u
+        u.versions = [(e, e.tensor._version) for e in u.buffer_entries]
+
+    def _buffers_out(self, u: _Unit) -> None:
+        self._write_back(u)
+        for t, h in u.host_pairs:
+            t.data = h
+
+    def _unswap_each(self, u: _Unit) -> None:
+        """Put u's parameters back holder by holder: some module replaced its device tensor
+        during its forward, and keeps its own."""
+        for d, k, v, p in zip(*u.dev_set[1]):
+            if d[k] is v:
+                d[k] = p
+            else:
+                self._forget_slot(u, d, k)
 
     def _release(self, u: _Unit) -> None:
         refs = u.refs
@@ -511,18 +540,12 @@ class Offload:
                 u.refs = refs - 1
             return
         if u.buffer_entries:
-            self._write_back(u)
-            for t, h in u.host_pairs:
-                t.data = h
+            self._buffers_out(u)
         ds, ks, vs, ps = u.dev_set[1]
         if all(map(_is, map(_getitem, ds, ks), vs)):
             _drain(map(_setitem, ds, ks, ps))
         else:
-            for d, k, v, p in zip(ds, ks, vs, ps):
-                if d[k] is v:
-                    d[k] = p
-                else:  # the module replaced the parameter during its forward: it keeps its own
-                    self._forget_slot(u, d, k)
+            self._unswap_each(u)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
         if self._pend is not None:
@@ -564,60 +587,101 @@ class Offload:
         small tensors), which cannot be released before the step ends anyway."""
         return tuple(units), tuple(u for u in units if u not in self._top_units)
 
-    def _make_pre(self, units: List[_Unit]) -> Any:
-        every, inner = self._hook_units(units)
-        acquire = self._acquire
-        clock = time.perf_counter_ns
-
-        def pre_hook(mod: nn.Module, args: Any) -> None:
-            t0 = clock()
-            units_t = inner if self._depth else every
-            done = 0
-            try:
-                for u in units_t:
-                    acquire(u)
-                    done += 1
-            except BaseException:
-                for u in reversed(units_t[:done]):
-                    self._release(u)
-                raise
-            finally:
-                self.hook_ns += clock() - t0
-
-        return pre_hook
-
-    def _make_post(self, units: List[_Unit]) -> Any:
-        every, inner = self._hook_units(units)
-        every_back, inner_back = every[::-1], inner[::-1]
-        release = self._release
+    def _block_forward(self, inner: Any, units: List[_Unit]) -> Any:
+        """A forward for a hooked module: acquire its units, run inner, make the output its own
+        (_own_output), release them. Inside the top-level forward a module of one unit (a block)
+        takes the common case, written out in this frame: the unit not held yet, its C release
+        left pending for the next acquire (spw_release_acquire)."""
+        every, inner_units = self._hook_units(units)
+        one = inner_units[0] if len(inner_units) == 1 else None
+        h = one.handle if one is not None else 0
+        raw_stream, dev_index, devptr, devptr_ref = self._raw_stream, self._dev_index, self._devptr, self._devptr_ref
+        acquired = self._acquired
         clock = time.perf_counter_ns
         tensor = torch.Tensor
 
-        def post_hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
-            units_t, backwards = (inner, inner_back) if self._depth else (every, every_back)
+            u = one
+            if u is None or u.refs or not self._depth:
+                return self._units_call(inner, inner_units if self._depth else every, args, kwargs, t0)
+            stream = raw_stream(dev_index) or None
+            p = self._pend
+            if p is None:
+                st = self._c_acquire(h, stream, _READ, devptr_ref)
+            else:
+                self._pend = None  # a failed release acquires nothing: its error is raised below
+                st = self._c_release_acquire(p.handle, self._pend_stream, h, stream, _READ, devptr_ref)
+            if st:
+                self._acquire_failed(u, stream, st)
+            if self._c_sync is not None:
+                self._emu_wait(u)
+            ptr = devptr.value
+            self.acquires += 1
+            dset = u.dev_set if u.dev_at == ptr else self._place(u, ptr, stream)
+            _drain(map(_setitem, *dset[1][:3]))
+            if u.buffer_entries:
+                self._buffers_in(u, dset)
+            u.stream, u.devptr, u.refs = stream, ptr, 1
+            acquired[ptr] = u
+            t1 = clock()
             try:
-                # the common cases, a tensor or a 1-tuple of one, without the generic walk
-                only = output if isinstance(output, tensor) else (
-                    output[0] if type(output) is tuple and len(output) == 1 and isinstance(output[0], tensor)
-                    else None)
-                if only is not None:
-                    p = only.data_ptr()
-                    for u in units_t:
-                        if u.refs == 1 and u.devptr <= p < u.devptr + u.nbytes:
-                            output = self._own_output(output, [x for x in units_t if x.refs == 1], 0)
-                            break
+                output = inner(*args, **kwargs)
+            except BaseException:
+                self._release(u)
+                raise
+            t2 = clock()
+            # the common outputs, a tensor or a 1-tuple of one, checked without the generic walk
+            only = output if isinstance(output, tensor) else (
+                output[0] if type(output) is tuple and len(output) == 1 and isinstance(output[0], tensor) else None)
+            if only is None or ptr <= only.data_ptr() < ptr + u.nbytes:
+                output = self._own_output(output, (u,), 0)
+            if u.refs != 1 or u.buffer_entries:
+                self._release(u)
+            else:
+                ds, ks, vs, ps = dset[1]
+                if all(map(_is, map(_getitem, ds, ks), vs)):
+                    _drain(map(_setitem, ds, ks, ps))
                 else:
-                    ending = [u for u in units_t if u.refs == 1]
-                    if ending:
-                        output = self._own_output(output, ending, 0)
-                for u in backwards:
-                    release(u)
-                return output
-            finally:
-                self.hook_ns += clock() - t0
+                    self._unswap_each(u)
+                u.refs = 0
+                del acquired[ptr]
+                if self._pend is not None:
+                    self._flush()
+                self._pend, self._pend_stream = u, stream
+            self.hook_ns += t1 - t0 + clock() - t2
+            return output
 
-        return post_hook
+        return forward
+
+    def _units_call(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
+        """inner(*args, **kwargs) with units acquired around it, in general: any number of
+        units, nested or repeated calls, or a module called outside the top-level forward."""
+        done = 0
+        try:
+            for u in units:
+                self._acquire(u)
+                done += 1
+        except BaseException:
+            for u in reversed(units[:done]):
+                self._release(u)
+            self.hook_ns += time.perf_counter_ns() - t0
+            raise
+        t1 = time.perf_counter_ns()
+        try:
+            output = inner(*args, **kwargs)
+        except BaseException:
+            for u in reversed(units):
+                self._release(u)
+            raise
+        t2 = time.perf_counter_ns()
+        ending = [u for u in units if u.refs == 1]
+        if ending:
+            output = self._own_output(output, ending, 0)
+        for u in reversed(units):
+            self._release(u)
+        self.hook_ns += t1 - t0 + time.perf_counter_ns() - t2
+        return output
 
     def _own_output(self, out: Any, ending: List[_Unit], depth: int) -> Any:
         """out with every tensor that views a unit about to be released replaced by a clone:
@@ -832,17 +896,15 @@ class Offload:
         """Restore whatever was moved so far (also the rollback of a failed offload())."""
         self._closed = True
         _ACTIVE.pop(self.module, None)
-        for h in getattr(self, "_hooks", []):
-            h.remove()
-        self._hooks = []
+        for m, had, old in reversed(getattr(self, "_wrapped", [])):
+            if had:
+                m.forward = old  # type: ignore[method-assign]
+            else:
+                m.__dict__.pop("forward", None)
+        self._wrapped = []
         if getattr(self, "_orig_class", None) is not None:
             self.module.__class__ = self._orig_class
             self._orig_class = None
-        if "forward" in self.module.__dict__ and hasattr(self, "_had_forward_attr"):
-            if self._had_forward_attr:
-                self.module.forward = self._old_forward_attr  # type: ignore[method-assign]
-            else:
-                del self.module.forward
         for u in self.units:
             for e in u.entries:
                 if e.host_view is None:
