@@ -2,18 +2,18 @@
 """Where in a forward spillway.torch.offload's hooks spend their host time, layer by layer, on the
 Llama-shaped model of bench/peers/torch_offload.py's workload b (random weights, 6 GiB budget).
 
-For every decoder layer, a forward pre-hook that runs before offload()'s own records:
+For every decoder layer, a forward pre-hook (a probe: torch runs it before the layer's forward,
+which offload() wraps) records:
   hooks us   offload()'s hook time (hook_ns) from this layer's probe to the next one: the
-             layer's pre-hook and forward hook (and the top level's, for the last layer)
+             layer's wrapper's acquire and release (and the top level's, for the last layer)
   launch us  the host time of launching one tiny kernel (x.add_(1) on one element) just before
              the layer's hooks: a few us when the stream has room, much more when the host has
              run so far ahead of the device that the launch waits for a slot in the queue
-  C us       host time inside the one C call of the layer's pre-hook (spw_acquire or
+  C us       host time inside the one C call of the layer's acquire (spw_acquire or
              spw_release_acquire), through a timing wrapper
   query us   an event query (torch's wrapper of one driver call), just after the launch
   ctypes us  an empty ctypes call into the library (spw_buf_size)
   touch us   mode touch only: reading what the layer's parameter swap will read
-  pre-hook us  offload()'s pre-hook alone (a pre-hook placed after it reads hook_ns; prefill)
 Modes: "ahead" (as the benchmark runs: the host runs ahead of the device as far as the queue
 lets it), "drained" (the probe first waits for the current stream, so every layer's hooks run
 with an empty queue; the next layer's upload may still be in flight) and "touch" ("ahead" with
@@ -117,18 +117,11 @@ def main() -> int:
                 rows.append((i, t1 - t0, off.hook_ns, len(ccalls), (t2 - t1, t3 - t2, t4 - t3)))
             return pre
 
-        def after_pre(i):
-            def pre(mod, a):
-                if rec["rows"] is not None:
-                    pre_ns[i] = off.hook_ns
-            return pre
-        pre_ns = {}
         units_of = [off._needs[id(b)] for b in blocks]
 
         cur = torch.cuda.current_stream()
         size, handle = spl.lib.spw_buf_size, off.units[0].handle
         handles = [b.register_forward_pre_hook(probe(i), prepend=True) for i, b in enumerate(blocks)]
-        handles += [b.register_forward_pre_hook(after_pre(i)) for i, b in enumerate(blocks)]
         for name in ("_c_acquire", "_c_release_acquire"):
             f = getattr(off, name)
 
@@ -151,10 +144,9 @@ def main() -> int:
                 torch.cuda.synchronize()
                 for k, (i, launch, h, nc, q) in enumerate(rows):
                     h_next = rows[k + 1][2] if k + 1 < len(rows) else h_end
-                    q = (q[0], q[1], q[2], pre_ns.get(i, h) - h)
                     cc = ccalls[nc] if nc < len(ccalls) else None
-                    d = per.setdefault(i, ([], [], [], [], [], [], []))
-                    for j in range(4):
+                    d = per.setdefault(i, ([], [], [], [], [], []))
+                    for j in range(3):
                         d[3 + j].append(q[j] / 1e3)
                     d[0].append((h_next - h) / 1e3)
                     d[1].append(launch / 1e3)
@@ -166,7 +158,7 @@ def main() -> int:
         def show(title, per, acquires, hook_ns):
             print(f"\n{policy} {title}: {hook_ns / max(acquires, 1) / 1e3:.1f} us of hooks per block acquired "
                   f"({acquires} acquires)")
-            print("layer  hooks us  launch us  C us  query us  ctypes us  touch us  pre-hook us")
+            print("layer  hooks us  launch us  C us  query us  ctypes us  touch us")
             meds = []
             for i in sorted(per):
                 row = [statistics.median(x) if x else float("nan") for x in per[i]]

@@ -680,8 +680,9 @@ def c_call_profile(cfg, off, fn, passes=2):
         st.print_stats(30)
         # pstats prints milliseconds; the hooks' functions and what they call, in us a call
         text.write("spillway's hook functions and their callees, us a call (own / with callees):\n")
-        hot = {"pre_hook", "post_hook", "_acquire", "_acquire_raw", "_release", "_point", "_write_back",
-               "_own_output", "_storage_at"}
+        # (a block's wrapper is "forward" in _offload.py; its callees include the block's own forward)
+        hot = {"forward", "_units_call", "_acquire", "_acquire_raw", "_release", "_flush", "_place", "_point",
+               "_write_back", "_own_output", "_storage_at"}
         for (path, line, name), (_, calls, tt, ct, callers) in sorted(st.stats.items(), key=lambda kv: -kv[1][2]):
             mine = path.endswith(("_offload.py", "_units.py")) and name in hot
             called = any(c[2] in hot for c in callers)
