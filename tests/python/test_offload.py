@@ -504,6 +504,50 @@ def test_failed_acquire_in_a_hook_releases_what_the_hook_acquired():
     off.remove()
 
 
+class Boom(nn.Linear):
+    """A Linear whose forward raises while .fail is set, after reading its weight."""
+
+    fail = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["in-the-model", "called-alone"])
+def test_an_exception_in_a_block_releases_it_and_own_hooks_still_run(direct):
+    """A block's forward that raises gives its unit back (inside the model's forward, where its
+    C release is deferred, and called alone); the caller's own forward hooks on a block run
+    around offload()'s wrapper, a pre-hook seeing the Parameter (the host view)."""
+    torch.manual_seed(0)
+    m = frozen(nn.Sequential(nn.Linear(64, 64), Boom(64, 64), nn.Linear(64, 64)))
+    ref = copy.deepcopy(m)
+    seen = []
+    m[1].register_forward_pre_hook(lambda mod, args: seen.append(type(mod._parameters["weight"])))
+    m[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    off = spt.offload(m, budget="4MiB", **EMU)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    assert seen == [nn.Parameter, torch.Size([2, 64])]
+    m[1].fail = True
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        m[1](x) if direct else m(x)
+    assert off.stats()["pinned"]["current"] == 0
+    for u in off.units:  # every tensor points at its host copy again
+        lo = u.pack.data_ptr()
+        assert all(lo <= e.tensor.data_ptr() < lo + u.pack.numel() for e in u.entries)
+        assert u.refs == 0
+    assert not off._acquired and off._pend is None
+    m[1].fail = False
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    off.remove()
+    assert torch.equal(m(x), ref(x))
+
+
 # ---- bad input: a clear exception, the module unchanged ----
 
 def test_bad_inputs_leave_the_module_unchanged():

@@ -11,19 +11,25 @@ How it works, and the contracts it keeps:
   state_dict() and printing work and read the real values.
 - A tensor is assigned to the first unit that reaches it, so a tied weight (one Parameter in two
   modules) is stored once; each module that holds it acquires that unit.
-- Hooks. A forward pre-hook acquires the module's units on the current stream (CUDA: torch's
-  current stream; emu: the context's default stream, then a synchronize because CPU torch runs
-  synchronously) and points the module at the device copy: each module holding an offloaded
-  parameter gets a device tensor in its _parameters dict in place of the Parameter (a dict
-  store; the Parameter object itself stays the host view), and each buffer's .data is set to a
-  device tensor (buffers keep their identity: modules alias and re-register them). The forward
-  hook puts the Parameters and host views back and releases on the same stream. Acquisitions
-  are counted per unit, so nested and repeated calls are safe. No host synchronization on the
-  CUDA path. A parameter that a module replaces during its forward is left to it.
-- Each tensor has two device tensors for the offload's life, each over one of its unit's two
-  most recent device addresses. When the unit comes back at one of them an acquire costs one
-  ctypes call plus a dict store per parameter holder; at another address, also one storage
-  over the unit and a Tensor.set_ per tensor.
+- Hooks. offload() wraps the forward of every hooked module (each block, each other module with
+  tensors of its own, and the top-level module): an instance attribute `forward`, as
+  accelerate's hooks are, so nn.Module keeps its fast path; remove() puts back what was there.
+  The wrapper acquires the module's units on the current stream (CUDA: torch's current stream;
+  emu: the context's default stream, then a synchronize because CPU torch runs synchronously)
+  and points the module at the device copy: each module holding an offloaded parameter gets a
+  device tensor in its _parameters dict in place of the Parameter (a dict store; the Parameter
+  object itself stays the host view), and each buffer's .data is set to a device tensor
+  (buffers keep their identity: modules alias and re-register them). After the forward (also
+  when it raises) it puts the Parameters and host views back and releases on the same stream.
+  Forward hooks of the caller's own run outside the wrapper: their pre-hooks see the host
+  views. Acquisitions are counted per unit, so nested and repeated calls are safe. No host
+  synchronization on the CUDA path. A parameter that a module replaces during its forward is
+  left to it.
+- Each tensor has device tensors for the offload's life, one set per device address its unit
+  came to (up to _DEV_SETS; past that the least recently used set is re-pointed). When the
+  unit comes back at one of them an acquire costs one ctypes call plus a dict store per
+  parameter holder; at another address, also one storage over the unit and a Tensor.set_ per
+  tensor.
 - One call of the top-level module is one plan step (step_begin/step_end around its forward),
   unless the caller marks steps with `with off.step():`.
 - Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
