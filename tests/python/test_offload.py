@@ -372,9 +372,12 @@ def test_remove_restores_exactly_and_leaves_nothing_held():
         if not t.requires_grad:
             assert t.data_ptr() != ptr  # it moved into the pack
     m(ids)
+    stale = m.norm.forward  # the wrapper, kept past remove() by a caller
     ctx = off.context
     off.remove()
     assert ctx.closed
+    x = torch.randn(1, 4, 32)
+    assert torch.equal(stale(x), ref.norm(x))  # runs the plain forward: nothing to acquire
     assert off.final_stats["live"]["current"] == 0 and off.final_stats["pinned"]["current"] == 0
     assert off.final_stats["buffers_resident"]["current"] == 0
     now = dict(list(m.named_parameters()) + list(m.named_buffers()))

@@ -662,7 +662,10 @@ class Offload:
 
     def _units_call(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
         """inner(*args, **kwargs) with units acquired around it, in general: any number of
-        units, nested or repeated calls, or a module called outside the top-level forward."""
+        units, nested or repeated calls, or a module called outside the top-level forward (or
+        through a reference to the wrapper kept past remove(): then inner alone)."""
+        if self._closed:
+            return inner(*args, **kwargs)
         done = 0
         try:
             for u in units:
@@ -689,7 +692,7 @@ class Offload:
         self.hook_ns += t1 - t0 + time.perf_counter_ns() - t2
         return output
 
-    def _own_output(self, out: Any, ending: List[_Unit], depth: int) -> Any:
+    def _own_output(self, out: Any, ending: Sequence[_Unit], depth: int) -> Any:
         """out with every tensor that views a unit about to be released replaced by a clone:
         an output aliasing a weight or buffer (a slice of a position table) must not point at
         device memory that the next eviction reuses. Looks into tuples, lists and dicts.
