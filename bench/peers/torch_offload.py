@@ -868,13 +868,24 @@ def run_child(cfg, workload, name):
             f0, m0 = v.forwards, v.moved()
             s0 = spillway_figures(v.off) if v.off is not None else None
             reset_peak(cfg)
-            times = []
+            times, per_step, handle = [], [], None
+            if v.off is not None:  # hook us per block of each forward (a step), after spillway's wrapper
+                last = [v.off.hook_ns, v.off.acquires]
+
+                def step_hooks(mod, args, out):
+                    h, a = v.off.hook_ns, v.off.acquires
+                    if a > last[1]:
+                        per_step.append((h - last[0]) / (a - last[1]) / 1e3)
+                    last[:] = [h, a]
+                handle = model.register_forward_hook(step_hooks)
             for _ in range(cfg.decode_passes):
                 sync(cfg)
                 t1 = time.perf_counter()
                 toks = greedy(model, ids, n, keep1)
                 sync(cfg)
                 times.append(time.perf_counter() - t1)
+            if handle is not None:
+                handle.remove()
             ok = check(toks, refs.get("tokens"), "decode")
             if is_ref:  # the resident model decoding twice: is the reference itself repeatable?
                 refs["decode_repeatable"] = bool(ok)
@@ -896,6 +907,12 @@ def run_child(cfg, workload, name):
                 s1 = spillway_figures(v.off)
                 if s1["hook_ns"] is not None and s1["acquires"] is not None and s1["acquires"] > s0["acquires"]:
                     r["hook_us"] = (s1["hook_ns"] - s0["hook_ns"]) / (s1["acquires"] - s0["acquires"]) / 1e3
+                if per_step:
+                    xs = sorted(per_step)
+                    r["hook_us_per_step"] = dict(
+                        steps=len(xs), p50=round(xs[len(xs) // 2], 1), p90=round(xs[int(0.9 * len(xs))], 1),
+                        max=round(xs[-1], 1), above_30=sum(x > 30 for x in xs),
+                        first=round(per_step[0], 1))  # the prompt's step (8 x 512 with the cache)
                 r["spillway"] = s1
             dnote = note
             if accel:
@@ -999,6 +1016,10 @@ def print_tables(rows, link_gbps, cfg_of):
                 print(f"{'':<18}  hook us per block, pass by pass: {r['hook_us_per_pass']}; host waits of trims "
                       f"in the timed passes and the one before: {r.get('trim_syncs_timed')}; units re-pointed "
                       f"per pass: {r.get('view_builds_per_pass')}")
+            if r.get("hook_us_per_step"):
+                q = r["hook_us_per_step"]
+                print(f"{'':<18}  hook us per block, step by step: p50 {q['p50']}, p90 {q['p90']}, max {q['max']} "
+                      f"over {q['steps']} steps ({q['above_30']} above 30 us; the prompt's step {q['first']})")
             if r.get("lock_waits_per_block") is not None:
                 print(f"{'':<18}  waits for the context lock per block acquired: {r['lock_waits_per_block']:.2f}, "
                       f"{r['lock_wait_us_per_block']:.1f} us")
