@@ -236,7 +236,7 @@ def direct(a, model, x, ref, lib_c, n):
                 y = torch.zeros(1, device=x.device)  # an output that aliases nothing
                 # the block's wrapper around a forward that does nothing, as inside the top-level
                 # forward (its common case): each call acquires, returns y, releases
-                wrapped = off._block_forward(lambda *args: y, off._needs[id(mod)])
+                wrapped = off._block_forward(mod, lambda *args: y, off._needs[id(mod)])
                 clock = time.perf_counter_ns
                 best = None
                 off._depth = 1
@@ -244,7 +244,7 @@ def direct(a, model, x, ref, lib_c, n):
                     for _ in range(5):
                         t = clock()
                         for _ in range(n):
-                            wrapped(x)
+                            wrapped(mod, x)
                         dt = (clock() - t) / n
                         best = dt if best is None else min(best, dt)
                 finally:

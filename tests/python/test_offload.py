@@ -3,6 +3,7 @@ resident module, the packing, the hooks' corner cases, backward, remove() and ba
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import weakref
 from typing import Optional
@@ -79,7 +80,10 @@ def test_decoder_kv_cache_loop_equal_and_tied():
 
 def test_block_packing_one_buffer_per_layer():
     m = frozen(make_decoder(layers=3))
+    sigs = [inspect.signature(x.forward) for x in (m, m.layers[0])]
     off = spt.offload(m, budget="8MiB", **EMU)
+    # the wrapped forwards show the real parameters (generate() reads them)
+    assert [inspect.signature(x.forward) for x in (m, m.layers[0])] == sigs
     names = [u.name for u in off.units]
     assert names[:3] == ["layers.0", "layers.1", "layers.2"]
     assert sorted(names[3:]) == ["embed", "norm", "rotary"]
@@ -549,6 +553,27 @@ def test_an_exception_in_a_block_releases_it_and_own_hooks_still_run(direct):
         assert torch.equal(m(x), ref(x))
     off.remove()
     assert torch.equal(m(x), ref(x))
+
+
+def test_a_deep_copy_of_an_offloaded_model_runs_its_own_tensors():
+    """copy.deepcopy of an offloaded model (or of one block) gives a plain module on copies of
+    the host views: it computes with its own weights and acquires nothing of the offload's."""
+    m = frozen(make_stack())
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 64)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    with torch.no_grad():
+        m(x)
+        twin, block = copy.deepcopy(m), copy.deepcopy(m[2])
+        acquires = off.acquires
+        assert torch.equal(twin(x), ref(x)) and torch.equal(block(x), ref[2](x))
+        assert off.acquires == acquires
+        twin[2].weight.zero_()
+        block.weight.zero_()
+        assert not torch.equal(twin(x), ref(x)) and torch.equal(block(x), torch.zeros(2, 64) + block.bias)
+        assert torch.equal(m(x), ref(x))  # the offloaded model kept its weights
+    assert off.acquires > acquires
+    off.remove()
 
 
 # ---- bad input: a clear exception, the module unchanged ----

@@ -22,7 +22,7 @@ How it works, and the contracts it keeps:
   (buffers keep their identity: modules alias and re-register them). After the forward (also
   when it raises) it puts the Parameters and host views back and releases on the same stream.
   Forward hooks of the caller's own run outside the wrapper: their pre-hooks see the host
-  views. Acquisitions are counted per unit, so nested and repeated calls are safe. No host
+  views. A deep copy of an offloaded module is a plain module on copies of the host views. Acquisitions are counted per unit, so nested and repeated calls are safe. No host
   synchronization on the CUDA path. A parameter that a module replaces during its forward is
   left to it.
 - Each tensor has device tensors for the offload's life, one set per device address its unit
@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import operator
 import os
 import time
@@ -135,6 +136,12 @@ def _active(module: nn.Module) -> bool:
     ref = _ACTIVE.get(module)
     off = ref() if ref is not None else None
     return off is not None and not off._closed
+
+
+def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+    """The forward of a deep copy of an offloaded module: its class's, on the copy's own tensors
+    (copies of the host views), with nothing acquired."""
+    return type(mod).forward(mod, *args, **kwargs)
 
 
 class Offload:
@@ -382,13 +389,15 @@ class Offload:
         self._top_units = self._needs.get(id(module), [])
         for m in hooked:
             if m is not module:  # the top level acquires its own units inside its forward wrapper
-                self._wrap_forward(m, self._block_forward(m.forward, self._needs[id(m)]))
+                self._wrap_forward(m, self._block_forward(m, m.forward, self._needs[id(m)]))
         self._swap_device_property(module)
         me = weakref.ref(self)
         inner = module.forward
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             off = me()
+            if mod is not module:
+                return _copied_forward(mod, args, kwargs)
             if off is None or off._closed:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
@@ -396,17 +405,20 @@ class Offload:
         self._wrap_forward(module, forward)
 
     def _wrap_forward(self, m: nn.Module, forward: Any) -> None:
-        """Make forward m's forward (an instance attribute, as accelerate's hooks do); _undo puts
-        back what was there."""
+        """Make forward(m, ...) m's forward: an instance attribute, functools.partial(forward, m),
+        as accelerate's hooks are. The partial holds the module, so a deep copy of it holds the
+        copy, and forward can tell the two apart (a copy runs its class's forward: it was made
+        from the host views and is not offloaded). _undo puts back what was there."""
         inner = m.forward
+        wrapped = functools.partial(forward, m)
         # inspect.signature(m.forward) follows __wrapped__: generate() and friends that read the
         # forward's parameters still see the real ones.
-        forward.__wrapped__ = inner
+        wrapped.__wrapped__ = inner  # type: ignore[attr-defined]
         for attr in ("__doc__", "__name__", "__qualname__"):
             if hasattr(inner, attr):
-                setattr(forward, attr, getattr(inner, attr))
+                setattr(wrapped, attr, getattr(inner, attr))
         self._wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
-        m.forward = forward  # type: ignore[method-assign]
+        m.forward = wrapped  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ hot path
     # Each block costs its wrapper's acquire and release per forward, on the host, before its
@@ -593,7 +605,7 @@ class Offload:
         small tensors), which cannot be released before the step ends anyway."""
         return tuple(units), tuple(u for u in units if u not in self._top_units)
 
-    def _block_forward(self, inner: Any, units: List[_Unit]) -> Any:
+    def _block_forward(self, module: nn.Module, inner: Any, units: List[_Unit]) -> Any:
         """A forward for a hooked module: acquire its units, run inner, make the output its own
         (_own_output), release them. Inside the top-level forward a module of one unit (a block)
         takes the common case, written out in this frame: the unit not held yet, its C release
@@ -606,7 +618,9 @@ class Offload:
         clock = time.perf_counter_ns
         tensor = torch.Tensor
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if mod is not module:
+                return _copied_forward(mod, args, kwargs)
             t0 = clock()
             u = one
             if u is None or u.refs or not self._depth:
