@@ -22,7 +22,8 @@ How it works, and the contracts it keeps:
   (buffers keep their identity: modules alias and re-register them). After the forward (also
   when it raises) it puts the Parameters and host views back and releases on the same stream.
   Forward hooks of the caller's own run outside the wrapper: their pre-hooks see the host
-  views. A deep copy of an offloaded module is a plain module on copies of the host views. Acquisitions are counted per unit, so nested and repeated calls are safe. No host
+  views. A deep copy of an offloaded module is a plain module on copies of the host views.
+  Acquisitions are counted per unit, so nested and repeated calls are safe. No host
   synchronization on the CUDA path. A parameter that a module replaces during its forward is
   left to it.
 - Each tensor has device tensors for the offload's life, one set per device address its unit
@@ -289,8 +290,9 @@ class Offload:
         self._devptr = ctypes.c_void_p()
         self._devptr_ref = ctypes.byref(self._devptr)
         self._dev_index = self.device.index if self.device.index is not None else 0
-        # What the hot path calls, bound once. Read from _lib_c here, at offload(): a stand-in set
-        # before then is what the hooks call (bench/dev/hook_cost.py times the C calls so).
+        # What the hot path calls, read from _lib_c here, at offload(), and from these attributes
+        # at each call: a stand-in set on _lib_c before offload() (bench/dev/hook_cost.py) or on
+        # them after (torch_offload.py's C-call profile) is what the wrappers call.
         self._c_acquire = _lib_c.spw_acquire
         self._c_release = _lib_c.spw_release
         self._c_release_acquire = _lib_c.spw_release_acquire
@@ -427,7 +429,7 @@ class Offload:
     # one Python frame. An acquire is one ctypes call (two on emu), an address compare and one
     # map() of dict stores, a release the reverse: the functions are bound at offload(), a
     # unit's device tensors are made once per address it comes to (up to _DEV_SETS, then
-    # re-pointed), and the wrappers allocate nothing for a unit of parameters whose module
+    # re-pointed), and the wrappers make no tensor for a unit of parameters whose module
     # returns one tensor. Inside an H200 forward every distinct piece of code a wrapper runs
     # is cold (a layer's worth of torch ran since), so the common case is written out in one
     # frame (_block_forward) rather than through _acquire and _release.
