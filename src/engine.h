@@ -89,11 +89,11 @@ struct spw_buf {
                             * records ev_dev alone; the next record of ev_dev first swaps the two
                             * events, so ev_host then holds it) */
     bool dev_waited;       /* dev_waiter already waits on the current record of ev_dev */
+    spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_done;         /* the current record of ev_dev is known complete: no stream need wait
                             * on it (set by an acquire's query or the prefetch worker's watch,
                             * cleared by every record) */
     bool watched;          /* on the prefetch worker's watch list (prefetch_thread.c) */
-    spw_stream dev_waiter; /* (an acquire's wait then serves the release on the same stream) */
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
     bool marking;     /* released with its record left to the prefetch worker (dev_rec false) */
     uint64_t rel_step; /* engine step of its last release (step_wait.c) */
@@ -183,9 +183,9 @@ void spw__pf_unmark(spw_ctx *ctx, spw_buf *b);
 uint64_t spw__pf_marked(spw_ctx *ctx);
 /* Context lock held, after an upload of b was enqueued and recorded on the H2D stream: the
  * worker, while a step is open, watches for its completion and then sets b->dev_done, so that
- * the acquire need neither ask the driver nor make its stream wait. False (nothing watched)
- * without a running worker or with its list full. */
-bool spw__pf_watch(spw_ctx *ctx, spw_buf *b);
+ * the acquire need neither ask the driver nor make its stream wait. Nothing is watched without
+ * a running worker or with its list full. */
+void spw__pf_watch(spw_ctx *ctx, spw_buf *b);
 /* Context lock held: b leaves the watch list (teardown). */
 void spw__pf_unwatch(spw_ctx *ctx, spw_buf *b);
 /* Uploads the worker has seen complete (tests). */

@@ -219,13 +219,12 @@ void spw__pf_unmark(spw_ctx *ctx, spw_buf *b) {
     mark_record(ctx, b);
 }
 
-bool spw__pf_watch(spw_ctx *ctx, spw_buf *b) {
+void spw__pf_watch(spw_ctx *ctx, spw_buf *b) {
     struct spw_pf *w = ctx->engine->pf;
-    if (!w || w->failed || b->watched || w->nwatch == PF_WATCH) return false;
+    if (!w || w->failed || b->watched || w->nwatch == PF_WATCH) return;
     w->watch[(w->whead + w->nwatch) % PF_WATCH] = b;
     atomic_store(&w->watching, ++w->nwatch);
     b->watched = true;
-    return true;
 }
 
 void spw__pf_unwatch(spw_ctx *ctx, spw_buf *b) {

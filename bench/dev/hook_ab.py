@@ -53,12 +53,10 @@ def main() -> int:
     args = p.parse_args()
     pkgs = [importlib.import_module(name + ".torch") for name in args.packages.split(",")]
     if args.smoke:
-        dev, sync, extra = torch.device("cpu"), (lambda: None), {"backend": "emu"}
-        shape = dict(hidden=64, inter=128, layers=4, heads=4, kv=2, vocab=97, batch=2, prompt=8)
+        dev, sync, extra, shape = torch.device("cpu"), (lambda: None), {"backend": "emu"}, to.B_SHAPE_SMOKE
         args.budget = "8MiB"
     else:
-        dev, sync, extra = torch.device("cuda", 0), torch.cuda.synchronize, {}
-        shape = dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=32000, batch=8, prompt=512)
+        dev, sync, extra, shape = torch.device("cuda", 0), torch.cuda.synchronize, {}, to.B_SHAPE
     cfg = types.SimpleNamespace(dev=dev, cuda=not args.smoke, smoke=args.smoke, b_shape=shape)
     t = time.perf_counter()
     model, _ = to.build_b(cfg, torch.device("cpu"))

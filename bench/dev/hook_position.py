@@ -57,9 +57,7 @@ def main() -> int:
     import spillway.torch as st
     import spillway._lib as spl
 
-    cfg = types.SimpleNamespace(dev=torch.device("cuda", 0), cuda=True, smoke=False,
-                                b_shape=dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=32000,
-                                             batch=8, prompt=512))
+    cfg = types.SimpleNamespace(dev=torch.device("cuda", 0), cuda=True, smoke=False, b_shape=to.B_SHAPE)
     runs = [(pol, dict(kv.split("=", 1) for kv in o.split(",") if kv.strip()))
             for pol in args.policy.split(",") for o in args.options.split(";")]
     t = time.perf_counter()

@@ -312,6 +312,11 @@ class TinyLM(nn.Module):
         return types.SimpleNamespace(logits=logits, past_key_values=cache)
 
 
+# Workload b's model (also built by bench/dev/hook_position.py and hook_ab.py), and --smoke's.
+B_SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=32000, batch=8, prompt=512)
+B_SHAPE_SMOKE = dict(hidden=64, inter=128, layers=4, heads=4, kv=2, vocab=256, batch=2, prompt=16)
+
+
 def build_b(cfg, target):
     c = cfg.b_shape
     try:
@@ -1099,10 +1104,10 @@ def main():
         p.error("no CUDA device (use --smoke for the cpu control-flow check)")
     if args.smoke:
         cfg.a_layers, cfg.a_dim, cfg.a_batches = 8, 256, [4, 64]
-        cfg.b_shape = dict(hidden=64, inter=128, layers=4, heads=4, kv=2, vocab=256, batch=2, prompt=16)
+        cfg.b_shape = B_SHAPE_SMOKE
     else:
         cfg.a_layers, cfg.a_dim, cfg.a_batches = 32, 8192, [16, 4096]
-        cfg.b_shape = dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=32000, batch=8, prompt=512)
+        cfg.b_shape = B_SHAPE
     cfg.split_fit = "weights" if args.split_fit == "auto" else args.split_fit
 
     if args.child:
