@@ -631,6 +631,11 @@ def measure(cfg, v, fn, passes, ref, what, warmup=0):
     return r, first
 
 
+def quantile(xs, f):
+    """The f quantile of the sorted list xs (the element at that rank)."""
+    return xs[min(len(xs) - 1, int(f * len(xs)))]
+
+
 def c_call_profile(cfg, off, fn, passes=2):
     """Host time of each C call of the hooks (spw_acquire, spw_release, spw_release_acquire)
     over `passes` extra passes (after the timed ones, so the wrappers' own cost is in no figure
@@ -667,7 +672,7 @@ def c_call_profile(cfg, off, fn, passes=2):
         if not xs:
             continue
         xs = sorted(xs)
-        q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))] / 1e3  # noqa: E731
+        q = lambda f: quantile(xs, f) / 1e3  # noqa: E731
         res[name] = dict(n=len(xs), p50=q(0.5), p90=q(0.9), p99=q(0.99), max=xs[-1] / 1e3,
                          total_ms=sum(xs) / 1e6)
     res["hooks_total_ms"] = hook / 1e6
@@ -706,9 +711,8 @@ def greedy(model, ids, n, keep1):
     out = model(input_ids=ids, use_cache=True, **kw)
     toks = [out.logits[:, -1, :].argmax(-1, keepdim=True)]
     past = out.past_key_values
-    seen = []
     for _ in range(n - 1):
-        seen.append(toks[-1].cpu())
+        toks[-1].cpu()  # the host waits for this step's tokens
         out = model(input_ids=toks[-1], past_key_values=past, use_cache=True, **kw)
         past = out.past_key_values
         toks.append(out.logits[:, -1, :].argmax(-1, keepdim=True))
@@ -915,7 +919,7 @@ def run_child(cfg, workload, name):
                 if per_step:
                     xs = sorted(per_step)
                     r["hook_us_per_step"] = dict(
-                        steps=len(xs), p50=round(xs[len(xs) // 2], 1), p90=round(xs[int(0.9 * len(xs))], 1),
+                        steps=len(xs), p50=round(quantile(xs, 0.5), 1), p90=round(quantile(xs, 0.9), 1),
                         max=round(xs[-1], 1), above_30=sum(x > 30 for x in xs),
                         first=round(per_step[0], 1))  # the prompt's step (8 x 512 with the cache)
                 r["spillway"] = s1
