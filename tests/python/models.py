@@ -122,3 +122,20 @@ def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def offloaded_bytes(off) -> int:
+    return sum(u.nbytes for u in off.units)
+
+
+def moved(off, fn):
+    """fn()'s result and the bytes the offload uploaded while it ran; asserts they are at least
+    the offloaded bytes that do not fit the budget (each is used, so at least that much must
+    come in): a model that silently fits its budget proves nothing about offloading."""
+    total, budget = offloaded_bytes(off), off.context.budget
+    assert total > budget, f"the test model fits its budget ({total} <= {budget} B): nothing would move"
+    before = off.context.stats()["bytes_h2d"]["total"]
+    out = fn()
+    n = off.context.stats()["bytes_h2d"]["total"] - before
+    assert n >= total - budget, f"moved {n} B in the step, below {total - budget} B (offloaded {total}, budget {budget})"
+    return out

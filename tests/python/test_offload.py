@@ -14,7 +14,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import frozen, greedy, make_decoder, make_stack, same
+from models import frozen, greedy, make_decoder, make_stack, moved, same
 
 MiB = 1 << 20
 EMU = dict(backend="emu")
@@ -41,13 +41,13 @@ def assert_unchanged(m: nn.Module, snap) -> None:
 # ---- outputs ----
 
 def test_sequential_stack_equal():
-    m = frozen(make_stack())
+    m = frozen(make_stack(dim=1024))  # six 4 MiB weights under a 10 MiB budget
     ref = copy.deepcopy(m)
-    x = torch.randn(5, 64)
-    off = spt.offload(m, budget="4MiB", **EMU)
-    assert len(off.units) == 6  # each Linear of the Sequential is a block
+    x = torch.randn(5, 1024)
+    off = spt.offload(m, budget="10MiB", **EMU)
+    assert len(off.units) == 7  # each Linear of the Sequential is a block, the biases one more
     for _ in range(3):
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     assert off.stats()["offload"]["steps"] == 3
     off.remove()
 
@@ -60,11 +60,12 @@ def test_decoder_kv_cache_loop_equal_and_tied():
     off = spt.offload(m, budget="4MiB", **EMU)  # about 0.6 of the weights
     assert m.lm_head.weight is m.embed.weight
     with torch.no_grad():
+        moved(off, lambda: m(ids))
         got = greedy(m, ids, 6)
         want = greedy(ref, ids, 6)
     assert same(got, want)
     st = off.stats()
-    assert st["offload"]["steps"] == 7  # one per forward, the sequence length changing
+    assert st["offload"]["steps"] == 8  # one per forward, the sequence length changing
     assert st["evictions_clean"]["total"] > 0 and st["bytes_d2h"]["total"] == 0
     assert st["held"]["peak"] <= 4 * MiB
     # the tied weight is stored once, in the embedding's unit
@@ -129,7 +130,7 @@ class Reuse(nn.Module):
     unit is already acquired when a submodule asks for it (nesting), blocks called out of
     registration order."""
 
-    def __init__(self, dim: int = 64) -> None:
+    def __init__(self, dim: int = 1024) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.rand(dim) + 0.5)
         self.lin = nn.Linear(dim, dim)
@@ -159,7 +160,7 @@ def test_large_units_are_mapped_in_large_pages():
         spt.offload(copy.deepcopy(m), budget="12MiB", vmm_large_page="12MiB", **EMU)
     off = spt.offload(m, budget="20MiB", **EMU)
     for _ in range(3):
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     held = off.stats()["held"]
     assert held["peak"] == 16 * MiB and held["current"] % (8 * MiB) == 0
     off.remove()
@@ -210,7 +211,7 @@ def test_small_tensors_of_blocks_share_one_unit():
         assert torch.equal(m(x), ref(x))
     a = torch.randn(3, 8, requires_grad=True)
     b = a.detach().clone().requires_grad_(True)
-    m(a).square().sum().backward()
+    moved(off, lambda: m(a).square().sum().backward())
     ref(b).square().sum().backward()
     assert torch.equal(a.grad, b.grad)
     assert off.stats()["offload"]["acquires"] > 0
@@ -223,11 +224,11 @@ def test_reuse_nesting_and_out_of_order():
     torch.manual_seed(1)
     m = frozen(Reuse())
     ref = copy.deepcopy(m)
-    x = torch.randn(3, 64)
-    off = spt.offload(m, budget="4MiB", policy="plan", **EMU)
+    x = torch.randn(3, 1024)
+    off = spt.offload(m, budget="12MiB", policy="plan", **EMU)  # five 4 MiB weights
     for order in ([2, 0, 3, 1], [2, 0, 3, 1], [1, 3, 0, 2], [0, 1, 2, 3]):
         m.order = ref.order = order
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     h = off.stats()["offload"]
     assert h["acquires"] > 0 and h["view_hits"] > 0
     assert off.stats()["pinned"]["current"] == 0  # every nested acquire was released
@@ -236,20 +237,21 @@ def test_reuse_nesting_and_out_of_order():
 
 def test_plan_moves_fewer_bytes_than_lru():
     ids = torch.randint(0, 97, (1, 6))
-    moved = {}
+    bytes_moved = {}
     for policy in ("lru", "plan"):
         m = frozen(make_decoder(dim=128, layers=8))
         off = spt.offload(m, budget="4MiB", policy=policy, prefetch="off", **EMU)
         with torch.no_grad():
-            for _ in range(6):
+            for _ in range(5):
                 m(ids)
+            moved_last = moved(off, lambda: m(ids))
         st = off.stats()
-        moved[policy] = st["bytes_h2d"]["total"]
+        bytes_moved[policy] = st["bytes_h2d"]["total"]
         if policy == "plan":
             assert st["plan_hits"]["total"] > 0
             assert "plan hits" in off.summary()
         off.remove()
-    assert moved["plan"] < 0.8 * moved["lru"], moved
+    assert bytes_moved["plan"] < 0.8 * bytes_moved["lru"], bytes_moved
 
 
 def test_explicit_steps_suspend_automatic_marking():
@@ -266,15 +268,15 @@ def test_explicit_steps_suspend_automatic_marking():
 
 
 def test_inference_mode_then_grad_mode():
-    m = frozen(make_stack())
+    m = frozen(make_stack(dim=1024))
     ref = copy.deepcopy(m)
-    x = torch.randn(2, 64)
-    off = spt.offload(m, budget="4MiB", **EMU)
+    x = torch.randn(2, 1024)
+    off = spt.offload(m, budget="10MiB", **EMU)
     with torch.inference_mode():
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     xg = x.clone().requires_grad_()
     xr = x.clone().requires_grad_()
-    m(xg).sum().backward()  # views cached under inference_mode are usable by autograd
+    moved(off, lambda: m(xg).sum().backward())  # views cached under inference_mode are usable by autograd
     ref(xr).sum().backward()
     assert torch.equal(xg.grad, xr.grad)
     off.remove()
@@ -313,7 +315,7 @@ def test_backward_through_frozen_offloaded_weights():
     for _ in range(2):
         for p in list(base.parameters()) + list(ref.parameters()):
             p.grad = None
-        loss, loss_ref = loss_of(base), loss_of(ref)
+        loss, loss_ref = moved(off, lambda: loss_of(base)), loss_of(ref)
         assert torch.equal(loss, loss_ref)
         loss.backward()
         loss_ref.backward()
@@ -326,6 +328,41 @@ def test_backward_through_frozen_offloaded_weights():
     h = off.stats()["offload"]
     assert h["saved_packed"] > 0 and h["saved_reacquires"] > 0
     assert off.stats()["pinned"]["current"] == 0
+    off.remove()
+
+
+def test_adapters_beside_blocks_called_one_by_one_get_exact_gradients():
+    """Frozen blocks called one by one from the caller's loop (the offloaded module's own forward
+    never runs), adapters added beside each: backward reads every weight as it was in forward,
+    also when the weights really moved in between (a weight saved for backward as a device view
+    would be read after its unit's memory held another unit)."""
+    torch.manual_seed(0)
+    base = frozen(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]))
+    ref = copy.deepcopy(base)
+    adapters = [(torch.randn(1024, 8) * 0.02, torch.randn(8, 1024) * 0.02) for _ in base]
+    ours = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in adapters]
+    theirs = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in adapters]
+    x = torch.randn(4, 1024)
+
+    def loss_of(model, ads):
+        h = x
+        for lin, (a, b) in zip(model, ads):
+            h = lin(h) + h @ a @ b
+        return h.square().mean()
+
+    off = spt.offload(base, budget="8MiB", **EMU)  # 24 MiB of weights
+    for _ in range(2):
+        loss = moved(off, lambda: loss_of(base, ours))
+        want = loss_of(ref, theirs)
+        assert torch.equal(loss, want)
+        before = off.context.stats()["bytes_h2d"]["total"]
+        loss.backward()  # brings back the weights saved for it (all but the first layer's)
+        assert off.context.stats()["bytes_h2d"]["total"] - before >= 3 * 4 * MiB
+        want.backward()
+        for (a, b), (ra, rb) in zip(ours, theirs):
+            assert torch.equal(a.grad, ra.grad) and torch.equal(b.grad, rb.grad)
+            a.grad = b.grad = ra.grad = rb.grad = None
+    assert off.stats()["offload"]["saved_reacquires"] > 0
     off.remove()
 
 
@@ -410,15 +447,34 @@ def test_out_of_memory_during_forward_is_torch_oom(tmp_path):
             return self.blocks(x) * self.own[:600]
 
     m = frozen(Wide())
-    off = spt.offload(m, budget="2MiB", on_exhaust="fail", trace=str(tmp_path / "t.json"), **EMU)
+    # the budget holds what the forward holds at once (the top level's unit, the blocks' biases
+    # and one block, a 2 MiB page each), but with on_exhaust=fail the second block cannot evict
+    # the first
+    off = spt.offload(m, budget="6MiB", on_exhaust="fail", trace=str(tmp_path / "t.json"), **EMU)
+    assert off.min_budget == 6 * MiB
     with pytest.raises(torch.cuda.OutOfMemoryError) as info:
         m(torch.randn(1, 600))
     assert isinstance(info.value, spillway.OutOfMemoryError)
-    assert "budget 2.00 MiB" in str(info.value)
+    assert "budget 6.00 MiB" in str(info.value)
     assert off.stats()["pinned"]["current"] == 0  # the failed forward released what it held
     off.remove()
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert events
+
+
+def test_a_budget_below_what_a_forward_holds_at_once_is_refused():
+    """A block that shares a tied weight with another holds both units at once: a budget that
+    holds the largest unit but not that pair is refused before anything moves."""
+    torch.manual_seed(0)
+    first = Big()
+    m = frozen(nn.ModuleList([first, Big(shared=first.own)]))
+    snap = snapshot(m)
+    with pytest.raises(spillway.ConfigError, match=r"below what 1 holds at once, 2 units \(1, 0.*4.00 MiB"):
+        spt.offload(m, budget="2MiB", **EMU)
+    assert_unchanged(m, snap)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    assert off.min_budget == 4 * MiB
+    off.remove()
 
 
 class Slicer(nn.Module):
@@ -427,7 +483,7 @@ class Slicer(nn.Module):
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.table = nn.Parameter(torch.randn(16, 64))
+        self.table = nn.Parameter(torch.randn(4096, 256))  # 4 MiB: three do not fit the budget
         self.kind = kind
 
     def forward(self, i: int):
@@ -464,9 +520,9 @@ def test_outputs_viewing_a_released_unit_are_copies(kind):
     torch.manual_seed(0)
     m = frozen(Tables(kind))
     ref = copy.deepcopy(m)
-    off = spt.offload(m, budget="4MiB", **EMU)
+    off = spt.offload(m, budget="8MiB", **EMU)
     for step in range(3):
-        got, want = m(step), ref(step)
+        got, want = moved(off, lambda: m(step)), ref(step)
         for g, w in zip(got, want):
             assert same(flat(g), flat(w))
         ranges = [(u.dev_at, u.dev_at + u.nbytes) for u in off.units if u.dev_at]
@@ -480,7 +536,7 @@ def test_outputs_viewing_a_released_unit_are_copies(kind):
 class Big(nn.Module):
     def __init__(self, shared: Optional[nn.Parameter] = None) -> None:
         super().__init__()
-        self.own = nn.Parameter(torch.randn(300_000))  # 1.2 MB: two such units do not fit 2 MiB
+        self.own = nn.Parameter(torch.randn(450_000))  # 1.8 MB: two fit 4 MiB, three do not
         self.shared = shared
 
     def forward(self, x):
@@ -492,22 +548,23 @@ class Big(nn.Module):
 
 def test_failed_acquire_in_a_hook_releases_what_the_hook_acquired():
     """A block needing two units (its own and the one holding a weight it shares) that cannot
-    have both: its pre-hook raises torch's OOM and gives back the unit it did acquire, so the
+    have both: its wrapper raises torch's OOM and gives back the unit it did acquire, so the
     next call still runs under the budget."""
     torch.manual_seed(0)
     first = Big()
-    m = frozen(nn.ModuleList([first, Big(shared=first.own)]))
+    m = frozen(nn.ModuleList([first, Big(shared=first.own), Big()]))
     ref = copy.deepcopy(m)
-    off = spt.offload(m, budget="2MiB", **EMU)  # an acquired unit is never evicted
-    assert [len(off._needs[id(b)]) for b in m] == [1, 2]
+    off = spt.offload(m, budget="4MiB", on_exhaust="fail", **EMU)  # no eviction: the room is what is free
+    assert [len(off._needs[id(b)]) for b in m] == [1, 2, 1]
     x = torch.randn(2, 8)
+    assert torch.equal(m[2](x), ref[2](x))  # its unit stays cached, taking half of the budget
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        m[1](x)
+        m[1](x)  # its own unit fits beside it, the shared one does not
     assert off.stats()["pinned"]["current"] == 0
     for u in off.units:  # every tensor points at its host copy again
         lo = u.pack.data_ptr()
         assert all(lo <= e.tensor.data_ptr() < lo + u.pack.numel() for e in u.entries)
-    assert torch.equal(m[0](x), ref[0](x))
+    assert torch.equal(m[2](x), ref[2](x))
     off.remove()
 
 
@@ -713,16 +770,16 @@ def test_units_keep_device_tensors_for_their_latest_addresses():
 
 def test_prefetch_thread_option_reaches_the_library():
     # the library's worker for plan's prefetches, through offload's options: outputs unchanged
-    m = frozen(make_stack(dim=512, depth=8))  # 1 MiB weights, room for half of them
+    m = frozen(make_stack(dim=1024, depth=8))  # 4 MiB weights, room for half of them
     ref = copy.deepcopy(m)
-    off = spt.offload(m, budget="6MiB", prefetch="on", prefetch_thread="on", **EMU)
-    x = torch.randn(2, 512)
+    off = spt.offload(m, budget="18MiB", prefetch="on", prefetch_thread="on", **EMU)
+    x = torch.randn(2, 1024)
     for _ in range(6):
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     assert off.stats()["plan_prefetch_bytes"]["total"] > 0
     off.remove()
     with pytest.raises(spillway.ConfigError, match="prefetch_thread"):
-        spt.offload(copy.deepcopy(ref), budget="4MiB", prefetch_thread="sometimes", **EMU)
+        spt.offload(copy.deepcopy(ref), budget="18MiB", prefetch_thread="sometimes", **EMU)
 
 
 class Swapping(nn.Module):

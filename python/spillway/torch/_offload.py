@@ -33,10 +33,13 @@ How it works, and the contracts it keeps:
   tensor.
 - One call of the top-level module is one plan step (step_begin/step_end around its forward),
   unless the caller marks steps with `with off.step():`.
-- Backward. Tensors autograd saves during the forward that lie inside an acquired unit are
-  replaced (torch.autograd.graph.saved_tensors_hooks) by a record (unit, offset, sizes, strides,
-  dtype); backward re-acquires the unit, clones the view (device to device, stream-ordered) and
-  releases it. Nothing saved for backward points at device memory that may be evicted.
+- Backward. Tensors autograd saves while a unit is acquired that lie inside it are replaced
+  (torch.autograd.graph.saved_tensors_hooks, _saved.py) by a record (unit, offset, sizes,
+  strides, dtype); backward re-acquires the unit, clones the view (device to device,
+  stream-ordered) and releases it. The hooks are active around the top-level forward and
+  around any hooked module called outside it (blocks driven by the caller's own loop, a
+  checkpoint's recomputation), so nothing saved for backward points at device memory that may
+  be evicted, whichever way the model is run.
 - Trainable parameters (requires_grad=True) are never offloaded: they stay resident on the
   device (their gradients and optimizer state need a stable tensor) and the summary lists them.
 - Buffers (rotary tables, norm statistics) are offloaded like weights, read-only. A buffer
@@ -68,7 +71,8 @@ from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc
-from ._units import (_DevSet, _Saved, _Unit, _align, _columns, _default_blocks, _module_names, _param_owners,
+from ._saved import _Saved, saving
+from ._units import (_DevSet, _Unit, _align, _columns, _default_blocks, _held_together, _module_names, _param_owners,
                      _plan_units, _storage_at)
 
 _lib_c = _lib.lib
@@ -80,6 +84,7 @@ _drain = collections.deque(maxlen=0).extend
 _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
+_SMALL_LIMIT = 1 << 20  # units up to this size come from the small-block arena (option small_limit)
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
@@ -261,12 +266,24 @@ class Offload:
             ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
             page = _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
         # The device arena maps memory in pages: a unit occupies at least its size rounded up.
-        need = _align(largest.nbytes, page)
+        # A forward holds a module's units with those of the hooked modules around it, each in
+        # whole arena pages (units up to the small-block limit share the small arena's pages).
+        def footprint(held: Sequence[_Unit]) -> int:
+            small = sum(u.nbytes for u in held if u.nbytes <= _SMALL_LIMIT)
+            return sum(_align(u.nbytes, page) for u in held if u.nbytes > _SMALL_LIMIT) + _align(small, _ARENA_PAGE)
+
+        need, holder, held = _held_together(module, needs, names, footprint)
+        need = max(need, footprint([largest]))
+        self.min_budget = need
         if budget_v < need:
+            what = (f"the largest unit, {largest.name} ({format_size(largest.nbytes)}" if len(held) <= 1 else
+                    f"what {holder} holds at once, {len(held)} units ("
+                    + ", ".join(u.name for u in held[:4]) + (", ..." if len(held) > 4 else "")
+                    + f": {format_size(sum(u.nbytes for u in held))}")
             raise ConfigError(
-                f"offload: budget {format_size(budget_v)} is below the largest unit, {largest.name} "
-                f"({format_size(largest.nbytes)}, {format_size(need)} in the device arena's "
-                f"{format_size(page)} pages); raise the budget or pass smaller blocks=[...]")
+                f"offload: budget {format_size(budget_v)} is below {what}, {format_size(need)} in the device "
+                f"arena's {format_size(page)} pages); raise the budget to at least {format_size(need)} or pass "
+                "smaller blocks=[...]")
         if budget_v > free:
             raise ConfigError(
                 f"offload: budget {format_size(budget_v)} is above the free device memory "
@@ -693,8 +710,14 @@ class Offload:
             self.hook_ns += time.perf_counter_ns() - t0
             raise
         t1 = time.perf_counter_ns()
+        # Outside the top-level forward nothing records what backward saves from these units.
+        scope = saving(self) if not self._depth and torch.is_grad_enabled() else None
         try:
-            output = inner(*args, **kwargs)
+            if scope is None:
+                output = inner(*args, **kwargs)
+            else:
+                with scope:
+                    output = inner(*args, **kwargs)
         except BaseException:
             for u in reversed(units):
                 self._release(u)
@@ -752,7 +775,7 @@ class Offload:
             if auto_step:
                 self._step_begin()
             if torch.is_grad_enabled():
-                saved = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+                saved = saving(self)
                 saved.__enter__()
             t0 = time.perf_counter_ns()
             for u in self._top_units:
@@ -774,19 +797,19 @@ class Offload:
                 self._depth = 0
 
     # ------------------------------------------------------------------ backward
-    def _pack_saved(self, t: torch.Tensor) -> Any:
+    def _record(self, t: torch.Tensor) -> Optional[_Saved]:
+        """The record of t if it lies inside one of the acquired units (_saved.py), else None."""
         if not self._acquired or t.device.type != self.device.type:
-            return t
+            return None
         p = t.data_ptr()
         for base, u in self._acquired.items():
             if base <= p < base + u.nbytes:
                 self.saved_packed += 1
                 return _Saved(u, p - base, t)
-        return t
+        return None
 
-    def _unpack_saved(self, s: Any) -> torch.Tensor:
-        if not isinstance(s, _Saved):
-            return s
+    def _rebuild(self, s: _Saved) -> torch.Tensor:
+        """The tensor of record s, copied out of its unit re-acquired for the copy."""
         if self._closed:
             raise StateError("spillway.torch: backward needs offloaded weights, but the Offload was removed; "
                              "run backward before remove()")
@@ -968,7 +991,8 @@ def offload(module: nn.Module, budget: Union[int, str], policy: str = "plan", de
 
     budget: device bytes for the offloaded weights (int, "4GiB", or "50%" of the device); it
     does not cover activations, trainable parameters or anything else PyTorch allocates. It
-    must hold the largest unit and fit in the device's free memory (counting the module's own
+    must hold what a forward holds at once (the largest unit, with the units of the modules
+    around it, in whole pages: Offload.min_budget) and fit in the device's free memory (counting the module's own
     weights on that device, which leave it); otherwise ConfigError is raised before anything
     moves. policy: "plan" (learns one forward, evicts by next use) or
     "lru". device: the CUDA device (default: the current one); CPU with backend="emu".

@@ -1,6 +1,5 @@
 """The units spillway.torch.offload is made of: the tensors of a block or module packed into one
-buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), records of
-tensors saved for backward (_Saved), how the default blocks are found (_default_blocks) and how
+buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), how the default blocks are found (_default_blocks) and how
 a module's tensors are divided into units (_plan_units). No spillway calls here: _offload.py
 moves the units.
 """
@@ -155,19 +154,6 @@ def _param_owners(module: nn.Module) -> Dict[int, List[Tuple[Dict[str, Any], str
     return owners
 
 
-class _Saved:
-    """A tensor saved for backward that lay inside an acquired unit: enough to rebuild it."""
-
-    __slots__ = ("unit", "offset", "dtype", "size", "stride")
-
-    def __init__(self, unit: _Unit, offset: int, t: torch.Tensor) -> None:
-        self.unit = unit
-        self.offset = offset
-        self.dtype = t.dtype
-        self.size = tuple(t.size())
-        self.stride = tuple(t.stride())
-
-
 def _module_names(module: nn.Module) -> Dict[int, str]:
     return {id(m): (n or type(module).__name__) for n, m in module.named_modules(remove_duplicate=False)}
 
@@ -254,3 +240,27 @@ def _plan_units(module: nn.Module, block_list: List[nn.Module], trainable: set,
         if small not in top:
             top.append(small)
     return units, needs, hooked
+
+
+def _held_together(module: nn.Module, needs: Dict[int, List[_Unit]], names: Dict[int, str],
+                   footprint: Any) -> Tuple[int, str, List[_Unit]]:
+    """The most device bytes a forward can hold at once: a hooked module's units together with
+    those of every hooked module around it (a block that shares a tied weight with another holds
+    both units; the top level's units are held all along). footprint(units) -> their bytes in
+    the arena. Returns (bytes, the module's name, its units)."""
+    best: Tuple[int, str, List[_Unit]] = (0, "", [])
+    stack: List[Tuple[nn.Module, List[_Unit]]] = [(module, [])]
+    seen: set = set()
+    while stack:
+        m, held = stack.pop()
+        own = [u for u in needs.get(id(m), []) if u not in held]
+        cur = held + own
+        if own:
+            n = footprint(cur)
+            if n > best[0]:
+                best = (n, names.get(id(m), type(m).__name__), cur)
+        if id(m) in seen:  # a module reached twice (shared): its subtree is walked once
+            continue
+        seen.add(id(m))
+        stack.extend((c, cur) for c in m.children())
+    return best

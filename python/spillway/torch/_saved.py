@@ -1,0 +1,135 @@
+"""Tensors autograd saves for backward while offloaded units are on the device.
+
+A tensor saved during a forward that lies inside an acquired unit (a weight, a view of one, a
+buffer) points at device memory that the unit leaves when it is released: by the time backward
+reads it, another unit may have been uploaded there. So while any hooked module of an Offload
+runs with grad enabled, saved_tensors_hooks are pushed that replace such a tensor by a record
+(unit, offset, dtype, sizes, strides); backward acquires the unit, copies the view out (device
+to device, in stream order) and releases it. The hooks are pushed around the top-level forward
+and around a hooked module called outside it (blocks called one by one from the caller's own
+loop, a checkpoint's recomputation during backward), never twice by one Offload.
+
+Hooks that were active when ours were pushed (torch.utils.checkpoint, save_on_cpu, another
+Offload's) would be shadowed by ours. They are found (torch 2.x: the top of torch's stack; on
+torch without that query, only hooks of spillway's own) and keep their role: a tensor outside
+this Offload's units goes to them as it would have; a tensor inside a unit goes to another
+Offload's hooks never (it is this one's to record) and to foreign hooks as a copy, since they
+may keep it past the unit's release.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+
+import torch
+
+from ._units import _Unit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._offload import Offload
+
+_Hookpair = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_local = threading.local()  # .stack: this thread's pushed _Hooks, innermost last
+
+
+class _Saved:
+    """A tensor saved for backward that lay inside an acquired unit: enough to rebuild it."""
+
+    __slots__ = ("unit", "offset", "dtype", "size", "stride")
+
+    def __init__(self, unit: _Unit, offset: int, t: torch.Tensor) -> None:
+        self.unit = unit
+        self.offset = offset
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+
+
+class _Outer:
+    """What an outer pair of hooks made of a saved tensor, with the unpack that undoes it."""
+
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack: Callable[[Any], torch.Tensor], packed: Any) -> None:
+        self.unpack = unpack
+        self.packed = packed
+
+
+def _stack() -> List["_Hooks"]:
+    s = getattr(_local, "stack", None)
+    if s is None:
+        s = _local.stack = []
+    return s
+
+
+def _outer() -> Optional[_Hookpair]:
+    """The saved-tensor hooks active now, or None."""
+    if _top_hooks is not None:
+        try:
+            top = _top_hooks(True)
+        except TypeError:
+            top = _top_hooks()
+        return tuple(top) if top else None  # type: ignore[return-value]
+    s = _stack()
+    return (s[-1].pack, s[-1].unpack) if s else None
+
+
+class _Hooks:
+    """One push of an Offload's pack and unpack hooks, with the hooks it shadows."""
+
+    __slots__ = ("off", "outer", "foreign", "ctx")
+
+    def __init__(self, off: "Offload", outer: Optional[_Hookpair]) -> None:
+        self.off = off
+        self.outer = outer
+        owner = getattr(outer[0], "__self__", None) if outer is not None else None
+        self.foreign = outer is not None and not isinstance(owner, _Hooks)
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        rec = self.off._record(t)
+        outer = self.outer
+        if rec is None:
+            return t if outer is None else _Outer(outer[1], outer[0](t))
+        if self.foreign:
+            return _Outer(outer[1], outer[0](t.clone()))  # type: ignore[index]
+        return rec
+
+    def unpack(self, s: Any) -> torch.Tensor:
+        if type(s) is _Saved:
+            return self.off._rebuild(s)
+        if type(s) is _Outer:
+            return s.unpack(s.packed)
+        return s
+
+
+class _Scope:
+    """Context manager: the Offload's hooks pushed unless they are already the innermost."""
+
+    __slots__ = ("off", "hooks")
+
+    def __init__(self, off: "Offload") -> None:
+        self.off = off
+        self.hooks: Optional[_Hooks] = None
+
+    def __enter__(self) -> None:
+        outer = _outer()
+        owner = getattr(outer[0], "__self__", None) if outer is not None else None
+        if isinstance(owner, _Hooks) and owner.off is self.off:
+            return
+        h = self.hooks = _Hooks(self.off, outer)
+        h.ctx.__enter__()
+        _stack().append(h)
+
+    def __exit__(self, *exc: Any) -> None:
+        h, self.hooks = self.hooks, None
+        if h is not None:
+            _stack().pop()
+            h.ctx.__exit__(*exc)
+
+
+def saving(off: "Offload") -> _Scope:
+    """The scope in which tensors saved for backward inside off's acquired units are recorded."""
+    return _Scope(off)
+
