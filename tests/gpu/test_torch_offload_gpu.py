@@ -24,7 +24,7 @@ import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import frozen, greedy, make_decoder, make_stack, same  # noqa: E402
+from models import frozen, greedy, make_decoder, make_stack, moved, same  # noqa: E402
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device())
@@ -41,14 +41,14 @@ def _deterministic():
 
 
 def test_stack_equal_and_restored_on_device():
-    m = frozen(make_stack()).to(DEV)
+    m = frozen(make_stack(dim=1024)).to(DEV)  # six 4 MiB weights under a 10 MiB budget
     ref = copy.deepcopy(m)
-    x = torch.randn(5, 64, device=DEV)
-    off = spt.offload(m, budget="4MiB", **CUDA)
+    x = torch.randn(5, 1024, device=DEV)
+    off = spt.offload(m, budget="10MiB", **CUDA)
     assert off.context.backend == "cuda"
     assert all(p.device.type == "cpu" for p in m.parameters())  # host views between forwards
     for _ in range(3):
-        assert torch.equal(m(x), ref(x))
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
     off.remove()
     assert off.final_stats["pinned"]["current"] == 0 and off.final_stats["live"]["current"] == 0
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
@@ -66,6 +66,7 @@ def test_decoder_kv_loop_tied_and_plan_below_lru():
         off = spt.offload(m, budget="4MiB", policy=policy, prefetch="off", **CUDA)
         assert m.lm_head.weight is m.embed.weight
         with torch.no_grad():
+            moved(off, lambda: m(ids))
             got = greedy(m, ids, 6)
             for _ in range(4):
                 greedy(m, ids, 6)
@@ -113,10 +114,10 @@ class LoRA(nn.Module):
         return self.base(x) + (x @ self.a.t()) @ self.b.t()
 
 
-def _check_grads(model, ref, loss_fn):
+def _check_grads(off, model, ref, loss_fn):
     for p in list(model.parameters()) + list(ref.parameters()):
         p.grad = None
-    loss, loss_ref = loss_fn(model), loss_fn(ref)
+    loss, loss_ref = moved(off, lambda: loss_fn(model)), loss_fn(ref)
     assert torch.equal(loss, loss_ref)
     loss.backward()
     loss_ref.backward()
@@ -124,7 +125,7 @@ def _check_grads(model, ref, loss_fn):
     n_checked = 0
     for n, p in ref.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-5, atol=1e-7)
+            assert torch.equal(got[n].grad, p.grad), n
             n_checked += 1
     assert n_checked > 0
 
@@ -144,7 +145,7 @@ def test_backward_through_frozen_offloaded_decoder():
         return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     for _ in range(2):
-        _check_grads(base, ref, loss_fn)
+        _check_grads(off, base, ref, loss_fn)
     assert off.hook_stats()["saved_reacquires"] > 0
     off.remove()
 
@@ -168,7 +169,9 @@ def test_oom_is_torch_oom_and_budget_errors():
             return self.blocks(x) * self.own[:600]
 
     w = frozen(Wide()).to(DEV)
-    off = spt.offload(w, budget="2MiB", on_exhaust="fail", **CUDA)
+    with pytest.raises(spillway.ConfigError, match="below what blocks.1 holds at once"):
+        spt.offload(w, budget="2MiB", **CUDA)
+    off = spt.offload(w, budget="6MiB", on_exhaust="fail", **CUDA)  # room, but no eviction
     with pytest.raises(_TorchOOM):
         w(torch.randn(1, 600, device=DEV))
     assert off.stats()["pinned"]["current"] == 0
@@ -197,7 +200,7 @@ def test_llama_forward_and_generate_equal():
     assert [u.name for u in off.units][:4] == [f"model.layers.{i}" for i in range(4)]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = model(ids).logits
+        got = moved(off, lambda: model(ids).logits)
         got_gen = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
     assert torch.equal(got_gen, want_gen)
@@ -224,7 +227,7 @@ def test_llama_backward_with_adapters():
         return m(ids, labels=ids).loss
 
     for _ in range(2):
-        _check_grads(model, ref, loss_fn)
+        _check_grads(off, model, ref, loss_fn)
     assert off.hook_stats()["saved_reacquires"] > 0
     off.remove()
 
@@ -242,7 +245,7 @@ def test_plan_prefetch_from_the_worker_thread(worker):
     with torch.no_grad():
         want = ref(x)
         for _ in range(12):
-            assert torch.equal(m(x), want)
+            assert torch.equal(moved(off, lambda: m(x)), want)
     st = off.stats()
     assert st["plan_prefetch_bytes"]["total"] > 0 and st["plan_divergences"]["total"] == 0
     print(f"\nprefetch_thread={worker}: {off.summary().splitlines()[0]}")
