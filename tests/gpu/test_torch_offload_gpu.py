@@ -60,7 +60,7 @@ def test_decoder_kv_loop_tied_and_plan_below_lru():
     ref = make_decoder(dim=128, layers=8).to(DEV)
     with torch.no_grad():
         want = greedy(ref, ids, 6)
-    moved = {}
+    bytes_moved = {}
     for policy in ("lru", "plan"):
         m = frozen(copy.deepcopy(ref))
         off = spt.offload(m, budget="4MiB", policy=policy, prefetch="off", **CUDA)
@@ -71,10 +71,10 @@ def test_decoder_kv_loop_tied_and_plan_below_lru():
             for _ in range(4):
                 greedy(m, ids, 6)
         assert same(got, want)
-        moved[policy] = off.stats()["bytes_h2d"]["total"]
+        bytes_moved[policy] = off.stats()["bytes_h2d"]["total"]
         print(f"\n{policy}:\n{off.summary()}")
         off.remove()
-    assert moved["plan"] < moved["lru"], moved
+    assert bytes_moved["plan"] < bytes_moved["lru"], bytes_moved
 
 
 def test_no_host_sync_in_steady_state_and_hook_time():
@@ -249,4 +249,49 @@ def test_plan_prefetch_from_the_worker_thread(worker):
     st = off.stats()
     assert st["plan_prefetch_bytes"]["total"] > 0 and st["plan_divergences"]["total"] == 0
     print(f"\nprefetch_thread={worker}: {off.summary().splitlines()[0]}")
+    off.remove()
+
+
+class Checkpointed(nn.Module):
+    """Blocks run under torch.utils.checkpoint: their saved tensors belong to checkpoint's hooks
+    in forward, and their recomputation in backward calls the offloaded blocks again."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6))
+        self.a = nn.Parameter(torch.randn(1024, 8) * 0.02)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for b in self.blocks:
+            x = checkpoint(lambda h, b=b: torch.tanh(b(h)) + h @ self.a @ self.a.t(), x,
+                           use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+def test_backward_composes_with_other_saved_tensor_hooks(how):
+    """Activation checkpointing (both kinds) inside the offloaded model and save_on_cpu around
+    it keep their role beside offload()'s saved-tensor records: gradients bitwise equal."""
+    torch.manual_seed(0)
+    m = Checkpointed(reentrant=how == "checkpoint-reentrant").to(DEV)
+    for b in m.blocks:
+        b.requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 1024, device=DEV, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    off = spt.offload(m, budget="10MiB", **CUDA)  # 24 MiB of weights
+    for _ in range(2):
+        if how == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                loss = moved(off, lambda: m(x).square().mean())
+        else:
+            loss = moved(off, lambda: m(x).square().mean())
+        want = ref(xr).square().mean()
+        assert torch.equal(loss, want)
+        loss.backward()
+        want.backward()
+        assert torch.equal(m.a.grad, ref.a.grad) and torch.equal(x.grad, xr.grad)
+        m.a.grad = ref.a.grad = x.grad = xr.grad = None
     off.remove()

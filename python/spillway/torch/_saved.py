@@ -10,8 +10,8 @@ and around a hooked module called outside it (blocks called one by one from the 
 loop, a checkpoint's recomputation during backward), never twice by one Offload.
 
 Hooks that were active when ours were pushed (torch.utils.checkpoint, save_on_cpu, another
-Offload's) would be shadowed by ours. They are found (torch 2.x: the top of torch's stack; on
-torch without that query, only hooks of spillway's own) and keep their role: a tensor outside
+Offload's) would be shadowed by ours. They are found (the top of torch's stack; a torch that cannot
+be asked has its saved_tensors_hooks pushes tracked here) and keep their role: a tensor outside
 this Offload's units goes to them as it would have; a tensor inside a unit goes to another
 Offload's hooks never (it is this one's to record) and to foreign hooks as a copy, since they
 may keep it past the unit's release.
@@ -30,7 +30,32 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _Hookpair = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_local = threading.local()  # .stack: this thread's pushed _Hooks, innermost last
+_local = threading.local()  # .pushed: hooks pushed through saved_tensors_hooks, innermost last
+
+
+def _pushed() -> List[_Hookpair]:
+    s = getattr(_local, "pushed", None)
+    if s is None:
+        s = _local.pushed = []
+    return s
+
+
+if _top_hooks is None:
+    # A torch that cannot be asked for its active hooks: keep the stack here, for every push
+    # made through torch.autograd.graph.saved_tensors_hooks (torch.utils.checkpoint and
+    # save_on_cpu push theirs through it too).
+    _cls = torch.autograd.graph.saved_tensors_hooks
+    _enter, _exit = _cls.__enter__, _cls.__exit__
+
+    def _tracked_enter(self: Any) -> None:
+        _enter(self)
+        _pushed().append((self.pack_hook, self.unpack_hook))
+
+    def _tracked_exit(self: Any, *exc: Any) -> None:
+        _pushed().pop()
+        _exit(self, *exc)
+
+    _cls.__enter__, _cls.__exit__ = _tracked_enter, _tracked_exit  # type: ignore[method-assign]
 
 
 class _Saved:
@@ -56,13 +81,6 @@ class _Outer:
         self.packed = packed
 
 
-def _stack() -> List["_Hooks"]:
-    s = getattr(_local, "stack", None)
-    if s is None:
-        s = _local.stack = []
-    return s
-
-
 def _outer() -> Optional[_Hookpair]:
     """The saved-tensor hooks active now, or None."""
     if _top_hooks is not None:
@@ -71,8 +89,8 @@ def _outer() -> Optional[_Hookpair]:
         except TypeError:
             top = _top_hooks()
         return tuple(top) if top else None  # type: ignore[return-value]
-    s = _stack()
-    return (s[-1].pack, s[-1].unpack) if s else None
+    s = _pushed()
+    return s[-1] if s else None
 
 
 class _Hooks:
@@ -120,12 +138,10 @@ class _Scope:
             return
         h = self.hooks = _Hooks(self.off, outer)
         h.ctx.__enter__()
-        _stack().append(h)
 
     def __exit__(self, *exc: Any) -> None:
         h, self.hooks = self.hooks, None
         if h is not None:
-            _stack().pop()
             h.ctx.__exit__(*exc)
 
 
