@@ -70,7 +70,7 @@ def test_decoder_kv_cache_loop_equal_and_tied():
     assert st["held"]["peak"] <= 4 * MiB
     # the tied weight is stored once, in the embedding's unit
     owners = [u.name for u in off.units for e in u.entries if e.tensor is m.embed.weight]
-    assert owners == ["embed"]
+    assert len(owners) == 1 and owners[0].startswith("embed")
     assert not any(u.name == "lm_head" for u in off.units)
     # between forwards the weights are CPU views of the host copy: state_dict reads real values
     sd = m.state_dict()
@@ -82,7 +82,7 @@ def test_decoder_kv_cache_loop_equal_and_tied():
 def test_block_packing_one_buffer_per_layer():
     m = frozen(make_decoder(layers=3))
     sigs = [inspect.signature(x.forward) for x in (m, m.layers[0])]
-    off = spt.offload(m, budget="8MiB", **EMU)
+    off = spt.offload(m, budget="8MiB", blocks=list(m.layers), **EMU)
     # the wrapped forwards show the real parameters (generate() reads them)
     assert [inspect.signature(x.forward) for x in (m, m.layers[0])] == sigs
     names = [u.name for u in off.units]
@@ -200,7 +200,7 @@ def test_small_tensors_of_blocks_share_one_unit():
     m = frozen(nn.Sequential(m[4], *m[:4]))
     ref = copy.deepcopy(m)
     x = torch.randn(3, 8)
-    off = spt.offload(m, budget="12MiB", **EMU)
+    off = spt.offload(m, budget="12MiB", blocks=list(m), **EMU)
     sizes = {u.name: u.nbytes for u in off.units}
     assert [sizes[f"{i}"] for i in range(1, 5)] == [4 * MiB] * 4
     small = [u for u in off.units if u.name == "small tensors of the blocks"]
@@ -591,7 +591,7 @@ def test_an_exception_in_a_block_releases_it_and_own_hooks_still_run(direct):
     seen = []
     m[1].register_forward_pre_hook(lambda mod, args: seen.append(type(mod._parameters["weight"])))
     m[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
-    off = spt.offload(m, budget="4MiB", **EMU)
+    off = spt.offload(m, budget="4MiB", blocks=list(m), **EMU)
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert torch.equal(m(x), ref(x))
@@ -645,7 +645,7 @@ def test_bad_inputs_leave_the_module_unchanged():
         (dict(budget="64MiB", emu_capacity="32MiB"), spillway.ConfigError, "above the free device memory"),
         (dict(budget="4MiB", colour="red"), spillway.ConfigError, "unknown option 'colour'"),
         (dict(budget="4MiB", policy="fifo"), spillway.ConfigError, "policy"),
-        (dict(budget="4MiB", offload_trainable=True), spillway.InvalidArgument, "trainable"),
+        (dict(budget="4MiB", blocks=[m.layers[0], m.layers[0]]), spillway.InvalidArgument, "twice"),
         (dict(budget="4MiB", blocks=[nn.Linear(2, 2)]), spillway.InvalidArgument, "not a submodule"),
         (dict(budget="4MiB", device="cuda"), spillway.ConfigError, "emu"),
     ]
@@ -663,7 +663,7 @@ def test_non_module_empty_module_trainable_module_and_twice():
     trainable = make_stack()
     snap = snapshot(trainable)
     with pytest.raises(spillway.InvalidArgument, match="require grad.*requires_grad_"):
-        spt.offload(trainable, budget="4MiB", **EMU)
+        spt.offload(trainable, budget="4MiB", offload_trainable=False, **EMU)
     assert_unchanged(trainable, snap)
     m = frozen(make_stack())
     off = spt.offload(m, budget="4MiB", **EMU)
@@ -826,7 +826,7 @@ def test_a_block_is_released_with_the_next_acquire():
     # call (spw_release_acquire); the forward's end releases the last one: nothing stays acquired.
     m = frozen(make_stack())
     ref = copy.deepcopy(m)
-    off = spt.offload(m, budget="4MiB", **EMU)
+    off = spt.offload(m, budget="4MiB", blocks=list(m), **EMU)
     calls = {"spw_acquire": 0, "spw_release": 0, "spw_release_acquire": 0}
 
     def counted(name):

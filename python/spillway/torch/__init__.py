@@ -27,11 +27,15 @@ from ._alloc import (
     reset_peak_memory_stats,
     use_allocator,
 )
-from ._offload import Offload, OutOfMemoryError, offload
+from ._errors import OutOfMemoryError
+from ._api import offload
+from ._offload import Offload
+from ._pipeline import Offloads
 
 __all__ = [
     "offload",
     "Offload",
+    "Offloads",
     "OutOfMemoryError",
     "use_allocator",
     "Allocator",

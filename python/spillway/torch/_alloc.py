@@ -65,6 +65,7 @@ from .. import _lib
 from ..core import Context, _option_text, format_size, parse_budget
 from ..errors import ConfigError, InvalidArgument, StateError, check
 from .. import errors as _errors
+from ._errors import OutOfMemoryError
 
 _lib_c = _lib.lib
 _MODES = ("global", "pool")
@@ -274,8 +275,6 @@ _reclaim_cb = _lib.RECLAIM_FN(_reclaim)  # referenced for the life of the proces
 
 
 def _oom_error(device: int, alloc: Optional[int]) -> Exception:
-    from ._offload import OutOfMemoryError  # one class for every spillway.torch OOM
-
     buf = ctypes.create_string_buffer(1024)
     _lib_c.spw_torch_oom_message(device, buf, len(buf))
     msg = buf.value.decode("utf-8", "replace")

@@ -70,7 +70,8 @@ from .. import _lib
 from ..core import Context, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
-from . import _alloc
+from . import _alloc, _partition
+from ._errors import OutOfMemoryError
 from ._saved import _Saved, saving
 from ._units import (_DevSet, _Unit, _align, _columns, _default_blocks, _held_together, _module_names, _param_owners,
                      _plan_units, _storage_at)
@@ -85,6 +86,14 @@ _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 _SMALL_LIMIT = 1 << 20  # units up to this size come from the small-block arena (option small_limit)
+# Without a budget, offload() takes the device's free memory less a reserve for what PyTorch
+# allocates beside the weights (activations, a KV cache): _reserve(device memory).
+_RESERVE_MIN = 1 << 30
+
+
+def _reserve(total: int) -> int:
+    """A quarter of the device, and at least 1 GiB (on a device of 2 GiB or less, half of it)."""
+    return max(total // 4, min(_RESERVE_MIN, total // 2))
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
@@ -124,15 +133,6 @@ def _arena_page(requested: int) -> int:
     return page
 
 
-_TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
-
-
-class OutOfMemoryError(_errors.OutOfMemoryError, _TorchOOM):  # type: ignore[misc, valid-type]
-    """A unit could not be made resident under the budget: both spillway.OutOfMemoryError and
-    torch's out-of-memory error (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError), so code
-    that handles PyTorch's OOM handles this one too."""
-
-
 # Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
 # neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -142,6 +142,21 @@ def _active(module: nn.Module) -> bool:
     ref = _ACTIVE.get(module)
     off = ref() if ref is not None else None
     return off is not None and not off._closed
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _needs_grad(name: str) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        raise StateError(
+            f"spillway.torch: backward needs the gradient of {name!r}, a parameter that requires grad but was "
+            "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
+            "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable "
+            "the adapters): trainable parameters of a model with frozen weights stay resident. For inference, "
+            "run under torch.no_grad() or torch.inference_mode().")
+    return hook
 
 
 def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -159,7 +174,8 @@ class Offload:
     # ------------------------------------------------------------------ construction
     @classmethod
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
-               trace: Optional[str], offload_trainable: bool, options: Dict[str, Any]) -> "Offload":
+               trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
+               context: Optional[Context] = None) -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         if not isinstance(module, nn.Module):
@@ -169,12 +185,7 @@ class Offload:
         for m in module.modules():
             if m is not module and _active(m):
                 raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
-        if offload_trainable:
-            raise InvalidArgument(
-                "offload: offload_trainable=True is not supported: trainable parameters need a stable device "
-                "tensor for their gradients and the optimizer; freeze them (requires_grad_(False)) to offload "
-                "them, or leave them trainable and they stay resident")
-        budget_v = parse_budget(budget, "offload")
+        budget_v = None if budget is None else parse_budget(budget, "offload")
 
         backend = options.pop("backend", "auto")
         if backend == "auto":
@@ -195,7 +206,7 @@ class Offload:
         self.device = dev
         self.backend = backend
 
-        # ---- plan the units (nothing moves yet) ----
+        # ---- what is offloaded ----
         params = list(module.parameters())
         if not params:
             raise InvalidArgument(f"offload: {type(module).__name__} has no parameters")
@@ -203,40 +214,38 @@ class Offload:
             if t.device.type == "meta":
                 raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
         names = _module_names(module)
-        if blocks is None:
-            block_list = _default_blocks(module)
-        else:
-            block_list = list(blocks)
-            for b in block_list:
+        if blocks is not None:
+            for b in blocks:
                 if not isinstance(b, nn.Module):
                     raise InvalidArgument(f"offload: blocks must be modules, got {type(b).__name__}")
                 if id(b) not in names:
                     raise InvalidArgument(f"offload: block {type(b).__name__} is not a submodule of the module")
+            if len({id(b) for b in blocks}) != len(blocks):
+                raise InvalidArgument("offload: blocks names a module twice")
         trainable: Dict[int, Tuple[str, torch.Tensor]] = {}
         for pname, p in module.named_parameters():
             if p.requires_grad:
                 trainable[id(p)] = (pname, p)
-        units, needs, hooked = _plan_units(module, block_list, set(trainable), names)
-        if not units:
-            raise InvalidArgument(
-                f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "
-                "grad, and trainable parameters stay resident. Freeze the weights first "
-                "(module.requires_grad_(False)), keeping only adapters trainable")
-        largest = max(units, key=lambda u: u.nbytes)
+        # A model none of whose weights is frozen (what from_pretrained returns) is offloaded
+        # whole, for inference; one with frozen weights keeps its trainable ones (adapters) resident.
+        if offload_trainable is None:
+            offload_trainable = len(trainable) == len({id(p) for p in params})
+        kept = {} if offload_trainable else trainable
+        self._offloaded_trainable = len(trainable) if offload_trainable else 0
 
-        # ---- check the budget against the units and the device, then create the context ----
+        # ---- the budget: given, shared with use_allocator, or the device's free memory less a reserve ----
         ctx_opts = dict(options)
         if trace:
             ctx_opts["trace"] = str(trace)
+        tensors = {id(t): t for t in params + list(module.buffers()) if id(t) not in kept}
         if backend == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             # weights already on this device leave it when they move to the host copy
-            free += sum(e.nbytes for u in units for e in u.entries if e.tensor.device == dev)
+            free += sum(t.numel() * t.element_size() for t in tensors.values() if t.device == dev)
             ctx_opts.setdefault("device", dev.index)
-            # Under plan most of the hooks' C time was enqueuing the next block's upload (acquire)
-            # and the last-use event (release); the library's worker thread issues both (H200, a
-            # Llama-shaped model, one machine: 48-51 -> 28-37 us of hooks per block, passes as
-            # fast). SPILLWAY_CONF or the call may still say off.
+            # Under plan most of the hooks' C time is enqueuing the next unit's upload (acquire)
+            # and the last-use event (release); the library's worker thread issues both
+            # (bench/RESULTS.md). SPILLWAY_CONF or the call may still say off.
             if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
                 ctx_opts["prefetch_thread"] = "on"
         else:
@@ -253,10 +262,38 @@ class Offload:
             if not 0 < pct <= 100:
                 raise ConfigError(f"offload: budget {budget!r} must be between 0% and 100%")
             budget_v = int(total * pct / 100)
-        # Under use_allocator the weights draw on its context of this device: one budget.
-        shared = _alloc.shared_context(dev, backend)
+        # Under use_allocator (or in a pipeline) the weights draw on one context of this device.
+        shared = context if context is not None else _alloc.shared_context(dev, backend)
+        self.budget_source = "given"
+        self.reserve = 0
         if shared is not None:
             budget_v = free = shared.budget
+            self.budget_source = "shared"
+        elif budget_v is None:
+            self.reserve = _reserve(total)
+            budget_v = free - self.reserve
+            self.budget_source = "default"
+            if budget_v <= 0:
+                raise ConfigError(
+                    f"offload: no budget given, and the device's free memory ({format_size(free)} of "
+                    f"{format_size(total)}) leaves nothing beside the reserve for activations "
+                    f"({format_size(self.reserve)}); pass budget=")
+
+        # ---- the units (nothing moves yet) ----
+        self._given_blocks = blocks is not None
+        if blocks is not None:
+            groups = [[b] for b in blocks]
+        else:
+            lo, hi = _partition.bounds(budget_v)
+            groups = _partition.partition(module, set(kept), lo, hi)
+        units, needs, hooked = _plan_units(module, groups, set(kept), names)
+        if not units:
+            raise InvalidArgument(
+                f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "
+                "grad, and trainable parameters stay resident. Freeze the weights first "
+                "(module.requires_grad_(False)), keeping only adapters trainable")
+        largest = max(units, key=lambda u: u.nbytes)
+        self.groups = len(groups)
         # Large units are mapped in large pages: a copy is split at every physical allocation under
         # it, and enqueuing a 416 MiB upload into 2 MiB pages costs 84 us of host time against 16 us
         # into 32 MiB pages and 9 us into one allocation (H200). A page is never larger than the
@@ -288,6 +325,7 @@ class Offload:
             raise ConfigError(
                 f"offload: budget {format_size(budget_v)} is above the free device memory "
                 f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
+        self._owns_context = shared is None
         self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
         # the keyword options the context was created with (none under use_allocator's context)
         self.context_options: Dict[str, Any] = {} if shared is not None else ctx_opts
@@ -381,6 +419,10 @@ class Offload:
         inference_mode(False) switch (16 of a re-point's 41 us on the H200)."""
         with torch.inference_mode(False):
             devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
+            for e, d in zip(u.entries, devs):
+                if e.tensor.requires_grad:  # offloaded for inference: a backward that needs it says so
+                    d.requires_grad_(True)
+                    d.register_hook(_needs_grad(e.name))
         slots, bufs = u.slot_plan
         return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
                 tuple((u.entries[i].tensor, devs[i]) for i in bufs))
@@ -410,14 +452,13 @@ class Offload:
             if m is not module:  # the top level acquires its own units inside its forward wrapper
                 self._wrap_forward(m, self._block_forward(m, m.forward, self._needs[id(m)]))
         self._swap_device_property(module)
-        me = weakref.ref(self)
         inner = module.forward
+        off = self  # held by the wrapper: an offload lives as long as its module's forward needs it
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            off = me()
             if mod is not module:
                 return _copied_forward(mod, args, kwargs)
-            if off is None or off._closed:
+            if off._closed:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
 
@@ -478,8 +519,9 @@ class Offload:
             else:
                 dset = sets.pop(next(iter(sets)))
             storage = _storage_at(ptr, u.nbytes, self.device)
-            for e, d in zip(u.entries, dset[0]):
-                d.set_(storage, e.elem_offset, e.shape, e.stride)
+            with torch.no_grad():  # leaves that require grad (offloaded trainable parameters) too
+                for e, d in zip(u.entries, dset[0]):
+                    d.set_(storage, e.elem_offset, e.shape, e.stride)
         sets[ptr] = dset
         u.dev_at, u.dev_set = ptr, dset
         return dset
@@ -889,6 +931,22 @@ class Offload:
         out["offload"] = h
         return out
 
+    def _partition_text(self, shown: int = 8) -> str:
+        units = sorted(self.units, key=lambda u: u.index)
+        head = ", ".join(f"'{u.name}' {format_size(u.nbytes)}" for u in units[:shown])
+        more = f", ... {len(units) - shown} more" if len(units) > shown else ""
+        how = "the given blocks" if self._given_blocks else "the module tree and the budget"
+        return f"from {how}: {head}{more}"
+
+    def _budget_text(self) -> str:
+        if self.budget_source == "shared":
+            return "use_allocator's budget, shared with PyTorch's tensors"
+        what = "device memory for offloaded weights only"
+        if self.budget_source == "default":
+            return (f"{what}: no budget given, so the device's free memory less {format_size(self.reserve)} "
+                    "kept for activations")
+        return what
+
     def summary(self) -> str:
         """Readable report: units, what stayed resident, bytes moved per step, stalls, plan hits,
         hook time per acquire, then the library's table."""
@@ -899,10 +957,11 @@ class Offload:
         lines = [
             f"spillway.torch offload of {type(self.module).__name__} ({self.backend}, device {self.device}, "
             f"policy {self.context.options.get('policy')})",
-            f"  offloaded         {format_size(total)} in {len(self.units)} units "
-            f"(largest {max(self.units, key=lambda u: u.nbytes).name}, "
+            f"  offloaded         {format_size(total)} in {_plural(len(self.units), 'unit')} "
+            f"(largest '{max(self.units, key=lambda u: u.nbytes).name}', "
             f"{format_size(max(u.nbytes for u in self.units))})",
-            f"  budget            {format_size(s['budget'])}  (device memory for offloaded weights only)",
+            f"  partition         {self._partition_text()}",
+            f"  budget            {format_size(s['budget'])}  ({self._budget_text()})",
             f"  resident units    {s['buffers_resident']['current']} now, "
             f"{format_size(s['live']['current'])} on the device",
         ]
@@ -976,34 +1035,9 @@ class Offload:
             u.pack = None
         if not ctx.closed:
             self.final_stats = ctx.stats()
-            ctx.close()
+            if getattr(self, "_owns_context", False):
+                ctx.close()
 
     def __repr__(self) -> str:
-        state = "removed" if self._closed else f"{len(self.units)} units"
+        state = "removed" if self._closed else _plural(len(self.units), "unit")
         return f"<spillway.torch.Offload {type(self.module).__name__}: {state}>"
-
-
-def offload(module: nn.Module, budget: Union[int, str], policy: str = "plan", device: Any = None,
-            blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
-            offload_trainable: bool = False, **options: Any) -> Offload:
-    """Offload module's frozen weights and buffers to pinned host memory; they come to the
-    device block by block during each forward. Returns the Offload handle.
-
-    budget: device bytes for the offloaded weights (int, "4GiB", or "50%" of the device); it
-    does not cover activations, trainable parameters or anything else PyTorch allocates. It
-    must hold what a forward holds at once (the largest unit, with the units of the modules
-    around it, in whole pages: Offload.min_budget) and fit in the device's free memory (counting the module's own
-    weights on that device, which leave it); otherwise ConfigError is raised before anything
-    moves. policy: "plan" (learns one forward, evicts by next use) or
-    "lru". device: the CUDA device (default: the current one); CPU with backend="emu".
-    blocks: the modules to pack as one unit each (default: the children of the largest
-    ModuleList/Sequential). trace: write a Chrome trace of copies and evictions to this file.
-    options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
-    unknown one is a ConfigError. Parameters with requires_grad=True stay resident.
-    While spillway.torch.use_allocator is active, the weights use its context of the device
-    instead (its budget and policy; budget and the context options here are not used).
-    A unit that cannot be made resident during a forward raises spillway.torch.OutOfMemoryError,
-    which is also torch's out-of-memory error. On any error the module is unchanged.
-    """
-    block_list = None if blocks is None else list(blocks)
-    return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options))

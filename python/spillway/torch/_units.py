@@ -179,10 +179,16 @@ def _default_blocks(module: nn.Module) -> List[nn.Module]:
     return out
 
 
-def _plan_units(module: nn.Module, block_list: List[nn.Module], trainable: set,
+def _group_name(group: List[nn.Module], names: Dict[int, str]) -> str:
+    first = names.get(id(group[0]), type(group[0]).__name__)
+    return first if len(group) == 1 else f"{first}..{names.get(id(group[-1]), type(group[-1]).__name__)}"
+
+
+def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set,
                 names: Dict[int, str]) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """The units of module (nothing moves yet): (units, id(module) -> the units its hook acquires,
-    the modules to hook). Each block is one unit; every other module with tensors of its own is
+    the modules to hook). Each group (a block, or a run of neighbouring modules) is one unit
+    over the tensors of its modules' subtrees; every other module with tensors of its own is
     one; a tensor goes to the first unit that reaches it, so a tied weight is stored once.
     trainable: ids of the parameters that stay resident."""
     owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
@@ -190,55 +196,66 @@ def _plan_units(module: nn.Module, block_list: List[nn.Module], trainable: set,
     needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
     hooked: List[nn.Module] = []
 
+    def tensors_of(mod: nn.Module, recurse: bool) -> List[Tuple[str, torch.Tensor, bool]]:
+        out = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse) if id(t) not in trainable]
+        return out + [(n, t, True) for n, t in mod.named_buffers(recurse=recurse) if t is not None]
+
     def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool,
-              small: Optional[_Unit] = None) -> List[_Unit]:
+              small: Optional[_Unit] = None, limit: int = _SMALL) -> List[_Unit]:
         used: List[_Unit] = []
-        tensors = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse)
-                   if id(t) not in trainable]
-        tensors += [(n, t, True) for n, t in mod.named_buffers(recurse=recurse)
-                    if t is not None]
-        if small is not None and not any(_nbytes(t) >= _SMALL for _, t, _ in tensors):
-            small = None  # a block of small tensors only stays whole
-        for n, t, is_buf in tensors:
+        for n, t, is_buf in tensors_of(mod, recurse):
             u = owner.get(id(t))
             if u is None:
-                u = small if small is not None and _nbytes(t) < _SMALL else unit
+                u = small if small is not None and _nbytes(t) < limit else unit
                 owner[id(t)] = u
                 u.add(_Entry(t, f"{prefix}.{n}" if prefix else n, is_buf))
             if u not in used:
                 used.append(u)
         return used
 
-    in_block: set = set()
-    for b in block_list:
-        for m in b.modules():
-            in_block.add(id(m))
-    # The small tensors of blocks that also hold large ones (norms, biases) share one unit,
-    # which the top level holds for the whole step: a block of large tensors only is then a
-    # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
-    # so its upload spans fewer, fuller pages.
-    def unit_of(mod: nn.Module, prefix: str, recurse: bool, small: Optional[_Unit] = None) -> None:
-        u = _Unit(names.get(id(mod), type(mod).__name__), len(units))
-        used = claim(u, mod, prefix, recurse, small)
-        if u.entries:
-            units.append(u)
+    def hook(mod: nn.Module, used: List[_Unit]) -> None:
         if used and id(mod) not in needs:
             needs[id(mod)] = used
             hooked.append(mod)
 
+    in_group: set = set()
+    for g in groups:
+        for b in g:
+            for m in b.modules():
+                in_group.add(id(m))
+    # The small tensors of groups that also hold large ones (norms, biases) share one unit,
+    # which the top level holds for the whole step: a group of large tensors only is then a
+    # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
+    # so its upload spans fewer, fuller pages. A group of small tensors only stays whole.
     small = _Unit("small tensors of the blocks", -1)
-    for b in block_list:
-        unit_of(b, names.get(id(b), ""), True, small)
+    for g in groups:
+        u = _Unit(_group_name(g, names), len(units))
+        sizes = [_nbytes(t) for b in g for _, t, _ in tensors_of(b, True)]
+        # small: below _SMALL and below 1/64 of the group (a norm or a bias beside its weights)
+        limit = min(_SMALL, sum(sizes) // 64)
+        big = any(n >= _SMALL for n in sizes)
+        used_by = [claim(u, b, names.get(id(b), "") if b is not module else "", True, small if big else None, limit)
+                   for b in g]
+        if u.entries:
+            units.append(u)
+        for b, used in zip(g, used_by):
+            hook(b, used)
     if small.entries:
         small.index = len(units)
         units.append(small)
     for m in module.modules():
-        if id(m) not in in_block:
-            unit_of(m, names.get(id(m), "") if m is not module else "", False)
+        if id(m) not in in_group:
+            u = _Unit(names.get(id(m), type(m).__name__), len(units))
+            used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
+            if u.entries:
+                units.append(u)
+            hook(m, used)
     if small.entries:
         top = needs.setdefault(id(module), [])
         if small not in top:
             top.append(small)
+        if module not in hooked:
+            hooked.append(module)
     return units, needs, hooked
 
 

@@ -1,0 +1,49 @@
+"""spillway.torch.offload(): one module, or several under one budget."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+from torch import nn
+
+from ._offload import Offload
+from ._pipeline import offload_all
+
+
+def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
+            blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
+            offload_trainable: Optional[bool] = None, **options: Any) -> Any:
+    """Offload a module's weights and buffers to pinned host memory; they come to the device
+    unit by unit as each forward reaches them. Returns the Offload handle.
+
+    module: an nn.Module, or several under one budget (see offload_all: a list of modules, or an
+    object with nn.Module attributes such as a diffusers pipeline).
+    budget: device bytes for the offloaded weights (int, "4GiB", or "50%" of the device). Without
+    one: under use_allocator, its budget; otherwise the device's free memory less a reserve for
+    activations (a quarter of the device, at least 1 GiB, or half of a device of 2 GiB or
+    less; the summary prints both). It does not
+    cover activations, resident trainable parameters or anything else PyTorch allocates. It must
+    hold what a forward holds at once (Offload.min_budget: the largest unit with the units of
+    the modules around it, in whole pages) and fit in the device's free memory (counting the
+    module's own weights on that device, which leave it); otherwise ConfigError is raised before
+    anything moves.
+    policy: "plan" (learns the step, evicts by next use, prefetches ahead) or "lru".
+    device: the CUDA device (default: the current one); CPU with backend="emu".
+    blocks: the modules to pack as one unit each. Default: units from the module tree and the
+    budget (a module whose tensors fit a quarter of the budget is one unit; a larger one is
+    split into its children; runs of small neighbours are grouped).
+    offload_trainable: None (default) offloads parameters that require grad when no weight of
+    the model is frozen (from_pretrained output, for inference: a backward that needs their
+    gradient raises a clear error), and keeps them resident otherwise (adapters on a frozen
+    base); True and False force either.
+    trace: write a Chrome trace of copies and evictions to this file.
+    options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
+    unknown one is a ConfigError. While spillway.torch.use_allocator is active, the weights use
+    its context of the device (its budget; budget and the context options here are not used).
+    A unit that cannot be made resident during a forward raises spillway.torch.OutOfMemoryError,
+    which is also torch's out-of-memory error. On any error the module is unchanged.
+    """
+    if not isinstance(module, nn.Module):
+        return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
+                           offload_trainable=offload_trainable, **options)
+    block_list = None if blocks is None else list(blocks)
+    return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options))

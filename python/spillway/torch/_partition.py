@@ -1,0 +1,102 @@
+"""How offload() divides a module into units, from the budget and the module tree.
+
+A unit is acquired as a whole, so it must be small enough that the budget holds several of
+them at once (the plan prefetches the next while one runs), and large enough that its hook
+costs far less than its transfer. partition() walks the tree from the top: a module whose
+tensors fit `hi` bytes is one unit with everything below it; a larger one is split into its
+children, recursively (its own tensors form a unit of their own, held while it runs; a module
+whose tensors are all its own is one unit whatever its size), and runs
+of neighbouring children below `lo` bytes are grouped into one unit, which each of them acquires
+(the first acquire uploads it, the others find it resident). Whatever the shape: decoder stacks,
+UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
+No spillway calls here, and nothing moves.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Set
+
+from torch import nn
+
+Group = List[nn.Module]  # modules whose tensors form one unit
+
+_LO_MAX = 64 << 20  # units of this size already make a hook's host time a small part of the upload
+
+
+def bounds(budget: int) -> "tuple[int, int]":
+    """(lo, hi) for a budget: units up to a quarter of it, runs grouped to half of that (at most
+    _LO_MAX)."""
+    hi = max(budget // 4, 1)
+    return min(hi // 2, _LO_MAX), hi
+
+
+def subtree_bytes(module: nn.Module, skip: Set[int]) -> Dict[int, int]:
+    """id(m) -> bytes of the distinct tensors (parameters not in skip, buffers) of m's subtree."""
+    out: Dict[int, int] = {}
+
+    def visit(m: nn.Module) -> Set[int]:
+        ids: Dict[int, int] = {}
+        for t in m.parameters(recurse=True):
+            if id(t) not in skip:
+                ids[id(t)] = t.numel() * t.element_size()
+        for t in m.buffers(recurse=True):
+            ids[id(t)] = t.numel() * t.element_size()
+        out[id(m)] = sum(ids.values())
+        return set(ids)
+
+    for m in module.modules():
+        visit(m)
+    return out
+
+
+def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group]:
+    """The groups of module's subtree that become units (see the module docstring). skip: ids of
+    parameters that are not offloaded."""
+    size = subtree_bytes(module, skip)
+    groups: List[Group] = []
+    seen: Set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        if size[id(m)] <= hi or not any(size[id(c)] for c in m.children()):
+            groups.append([m])  # fits, or cannot be split (its tensors are all its own)
+            return
+        run: Group = []
+        run_bytes = 0
+
+        def flush() -> None:
+            nonlocal run, run_bytes
+            if run:
+                groups.append(run)
+            run, run_bytes = [], 0
+
+        for c in _distinct(m.children(), seen):
+            n = size[id(c)]
+            if n == 0:
+                continue
+            if n > hi:
+                flush()
+                visit(c)
+            elif n >= lo:
+                flush()
+                groups.append([c])
+            else:
+                if run_bytes + n > hi:
+                    flush()
+                run.append(c)
+                run_bytes += n
+                if run_bytes >= lo:
+                    flush()
+        flush()
+
+    seen.add(id(module))
+    visit(module)
+    return groups
+
+
+def _distinct(mods: Iterable[nn.Module], seen: Set[int]) -> List[nn.Module]:
+    """mods not met before in the walk (a module registered in two places is placed once)."""
+    out = []
+    for m in mods:
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out

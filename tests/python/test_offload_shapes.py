@@ -1,0 +1,390 @@
+"""offload() with default arguments on models that are not a uniform decoder stack (emu): a UNet
+with skip connections and one block larger than the budget, a DiT with two block lists, an
+encoder-decoder, a three-module pipeline under one budget, and a model none of whose weights is
+frozen. Outputs bitwise equal to the resident model; the weights really move; plan's bytes moved
+per steady step at most 1.15 x (offloaded bytes - budget + largest unit). The default budget is
+the emulated device's free memory less offload()'s reserve (emu_capacity sizes the device)."""
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import spillway
+import spillway.torch as spt
+from models import moved, offloaded_bytes
+
+MiB = 1 << 20
+
+
+def steady_bound(off) -> float:
+    total = offloaded_bytes(off)
+    return 1.15 * (total - off.context.budget + max(u.nbytes for u in off.units))
+
+
+def run_steps(off, fn, steps: int = 10):
+    """fn() `steps` times (each a plan step), the weights moving in each; returns the last
+    output and the mean bytes uploaded per step over the second half (the steady steps)."""
+    per_step = []
+    out = None
+    for _ in range(steps):
+        before = off.context.stats()["bytes_h2d"]["total"]
+        out = moved(off, fn)
+        per_step.append(off.context.stats()["bytes_h2d"]["total"] - before)
+    steady = per_step[steps // 2:]
+    return out, sum(steady) / len(steady)
+
+
+# ---- a UNet: skip connections, one up block larger than the budget ----
+
+class Res(nn.Module):
+    def __init__(self, cin: int, cout: int, temb: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(8, cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.time = nn.Linear(temb, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x, t):
+        h = self.conv1(F.silu(self.norm(x))) + self.time(t)[:, :, None, None]
+        return self.skip(x) + self.conv2(F.silu(h))
+
+
+class Down(nn.Module):
+    def __init__(self, cin: int, cout: int, temb: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([Res(cin, cout, temb), Res(cout, cout, temb)])
+        self.down = nn.Conv2d(cout, cout, 3, stride=2, padding=1)
+
+    def forward(self, x, t):
+        skips = []
+        for r in self.resnets:
+            x = r(x, t)
+            skips.append(x)
+        return self.down(x), skips
+
+
+class Up(nn.Module):
+    def __init__(self, cin: int, cskip: int, cout: int, temb: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([Res(cin + cskip, cout, temb), Res(cout + cskip, cout, temb)])
+        self.up = nn.Conv2d(cout, cout, 3, padding=1)
+
+    def forward(self, x, skips, t):
+        x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        for r in self.resnets:
+            x = r(torch.cat([x, skips.pop()], 1), t)
+        return self.up(x)
+
+
+class UNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        temb = 256
+        self.time_embedding = nn.Sequential(nn.Linear(64, temb), nn.SiLU(), nn.Linear(temb, temb))
+        self.conv_in = nn.Conv2d(4, 128, 3, padding=1)
+        self.down_blocks = nn.ModuleList([Down(128, 128, temb), Down(128, 256, temb)])
+        self.mid_block = Res(256, 256, temb)
+        self.up_blocks = nn.ModuleList([Up(256, 256, 384, temb), Up(384, 128, 128, temb)])  # the first: ~30 MiB
+        self.conv_out = nn.Conv2d(128, 4, 3, padding=1)
+
+    def forward(self, x, t):
+        t = self.time_embedding(t)
+        x = self.conv_in(x)
+        stack: List[List[torch.Tensor]] = []
+        for d in self.down_blocks:
+            x, skips = d(x, t)
+            stack.append(skips)
+        x = self.mid_block(x, t)
+        for u in self.up_blocks:
+            x = u(x, stack.pop(), t)
+        return self.conv_out(x)
+
+
+def test_unet_with_a_block_larger_than_the_budget():
+    torch.manual_seed(0)
+    m = UNet().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x, t = torch.randn(2, 4, 16, 16), torch.randn(2, 64)
+    off = spt.offload(m, emu_capacity="48MiB", backend="emu")  # no budget: free memory less the reserve
+    budget = off.context.budget
+    assert off.budget_source == "default" and budget == 24 * MiB
+    up0 = sum(p.numel() * 4 for p in m.up_blocks[0].parameters())
+    assert up0 > budget  # a whole up block would not fit: it was split
+    assert not any(u.name == "up_blocks.0" for u in off.units)
+    assert any(u.name.startswith("up_blocks.0.resnets") for u in off.units)
+    with torch.no_grad():
+        out, last = run_steps(off, lambda: m(x, t))
+    assert torch.equal(out, ref(x, t))
+    assert last <= steady_bound(off), (last, steady_bound(off))
+    text = off.summary()
+    assert "units" in text and "free memory" in text
+    off.remove()
+
+
+# ---- a DiT with two block lists ----
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        att = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, n, d))
+
+
+class DoubleBlock(nn.Module):
+    """Image and text streams, modulated by the conditioning, attending jointly."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mod_img, self.mod_txt = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+        self.attn = Attention(d)
+        self.mlp_img = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.mlp_txt = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, img, txt, c):
+        si, bi = self.mod_img(c)[:, None].chunk(2, -1)
+        st, bt = self.mod_txt(c)[:, None].chunk(2, -1)
+        joint = torch.cat([txt * (1 + st) + bt, img * (1 + si) + bi], 1)
+        a = self.attn(joint)
+        txt, img = txt + a[:, :txt.shape[1]], img + a[:, txt.shape[1]:]
+        return img + self.mlp_img(img), txt + self.mlp_txt(txt)
+
+
+class SingleBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.randn(2, d) * 0.1)  # read by the block itself
+        self.attn = Attention(d)
+        self.proj = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+
+    def forward(self, x, c):
+        s, b = self.scale_shift_table.unbind(0)
+        return x + self.proj(self.attn(x * (1 + s) + b + c[:, None]))
+
+
+class DiT(nn.Module):
+    def __init__(self, d: int = 512) -> None:
+        super().__init__()
+        self.x_embedder = nn.Linear(16, d)
+        self.context_embedder = nn.Linear(32, d)
+        self.time_embed = nn.Sequential(nn.Linear(32, d), nn.SiLU(), nn.Linear(d, d))
+        self.transformer_blocks = nn.ModuleList(DoubleBlock(d) for _ in range(3))
+        self.single_transformer_blocks = nn.ModuleList(SingleBlock(d) for _ in range(6))
+        self.norm_out = nn.LayerNorm(d)
+        self.proj_out = nn.Linear(d, 16)
+
+    def forward(self, x, txt, t):
+        c = self.time_embed(t)
+        img, txt = self.x_embedder(x), self.context_embedder(txt)
+        for b in self.transformer_blocks:
+            img, txt = b(img, txt, c)
+        h = torch.cat([txt, img], 1)
+        for b in self.single_transformer_blocks:
+            h = b(h, c)
+        return self.proj_out(self.norm_out(h[:, txt.shape[1]:]))
+
+
+def test_dit_with_two_block_lists():
+    torch.manual_seed(0)
+    m = DiT().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x, txt, t = torch.randn(2, 16, 16), torch.randn(2, 8, 32), torch.randn(2, 32)
+    off = spt.offload(m, emu_capacity="96MiB", backend="emu")  # 48 MiB for 84 MiB of weights
+    names = [u.name for u in off.units]
+    # both block lists are units block by block (a double block, above a quarter of the budget,
+    # in a few parts), not one list of blocks and every other module a unit of its own
+    single = [n for n in names if n.startswith("single_transformer_blocks.")]
+    assert 1 <= len(single) <= 6 and not any(".attn" in n or ".proj" in n for n in single)  # whole blocks
+    assert 3 <= sum(n.startswith("transformer_blocks.") for n in names) <= 12
+    assert len(off.units) <= 24
+    with torch.no_grad():
+        out, last = run_steps(off, lambda: m(x, txt, t))
+    assert torch.equal(out, ref(x, txt, t))
+    assert last <= steady_bound(off), (last, steady_bound(off))
+    off.remove()
+
+
+# ---- an encoder-decoder ----
+
+class EncLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn, self.norm = Attention(d), nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 6 * d), nn.ReLU(), nn.Linear(6 * d, d))  # 4 MiB a layer at d=256
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.ff(x)
+
+
+class DecLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.self_attn, self.norm = Attention(d), nn.LayerNorm(d)
+        self.cross_q, self.cross_kv = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        self.ff = nn.Sequential(nn.Linear(d, 4608 * d // 1024), nn.ReLU(), nn.Linear(4608 * d // 1024, d))
+
+    def forward(self, y, mem):
+        y = y + self.self_attn(self.norm(y))
+        k, v = self.cross_kv(mem).chunk(2, -1)
+        y = y + torch.einsum("bqk,bkd->bqd", (self.cross_q(y) @ k.transpose(1, 2)).softmax(-1), v)
+        return y + self.ff(y)
+
+
+class EncDec(nn.Module):
+    def __init__(self, d: int = 256, vocab: int = 4096) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, d)
+        self.encoder = nn.ModuleList(EncLayer(d) for _ in range(4))
+        self.decoder = nn.ModuleList(DecLayer(d) for _ in range(4))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, src, tgt):
+        mem = self.shared(src)
+        for layer in self.encoder:
+            mem = layer(mem)
+        y = self.shared(tgt)
+        for layer in self.decoder:
+            y = layer(y, mem)
+        return self.lm_head(y)
+
+
+def test_encoder_decoder():
+    torch.manual_seed(0)
+    m = EncDec().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    src, tgt = torch.randint(0, 4096, (2, 9)), torch.randint(0, 4096, (2, 5))
+    off = spt.offload(m, emu_capacity="40MiB", backend="emu")
+    assert sum(e.tensor is m.shared.weight for u in off.units for e in u.entries) == 1  # used twice, stored once
+    with torch.no_grad():
+        out, last = run_steps(off, lambda: m(src, tgt))
+    assert torch.equal(out, ref(src, tgt))
+    assert last <= steady_bound(off), (last, steady_bound(off))
+    off.remove()
+
+
+# ---- a three-module pipeline under one budget ----
+
+class TextEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(2048, 256)
+        self.layers = nn.ModuleList(EncLayer(256) for _ in range(3))
+        self.proj = nn.Linear(256, 32)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.proj(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(16, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1),
+                                    nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(256, 3, 3, padding=1)])
+
+    def forward(self, z):
+        for c in self.convs[:-1]:
+            z = F.silu(c(z))
+        return self.convs[-1](z)
+
+
+class Pipe:
+    """What a diffusers pipeline looks like to offload(): modules as attributes, and others."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.text_encoder = TextEncoder().eval().requires_grad_(False)
+        self.transformer = DiT().eval().requires_grad_(False)
+        self.vae = Decoder().eval().requires_grad_(False)
+        self.scheduler_steps = 5
+        self.safety_checker = None
+
+    def __call__(self, ids, x):
+        txt = self.text_encoder(ids)
+        for i in range(self.scheduler_steps):
+            x = x - 0.1 * self.transformer(x, txt, torch.full((x.shape[0], 32), float(i)))
+        return self.vae(x.transpose(1, 2).reshape(x.shape[0], 16, 4, 4))
+
+
+def test_a_pipeline_of_three_modules_under_one_budget():
+    pipe = Pipe()
+    ref = copy.deepcopy(pipe)
+    ids, x = torch.randint(0, 2048, (2, 8)), torch.randn(2, 16, 16)
+    offs = spt.offload(pipe, emu_capacity="80MiB", backend="emu")
+    assert isinstance(offs, spt.Offloads) and offs.names == ["text_encoder", "transformer", "vae"]
+    assert all(o.context is offs.context for o in offs)  # one context: one budget
+    budget = offs.context.budget
+    total = sum(offloaded_bytes(o) for o in offs)
+    assert total > budget
+    with torch.no_grad():
+        for _ in range(3):
+            before = offs.context.stats()["bytes_h2d"]["total"]
+            out = pipe(ids, x)
+            assert offs.context.stats()["bytes_h2d"]["total"] - before >= total - budget
+            assert torch.equal(out, ref(ids, x))
+    assert offs["transformer"].steps == 3 * pipe.scheduler_steps and offs["vae"].steps == 3
+    assert offs.context.stats()["held"]["peak"] <= budget
+    assert "3 modules under one budget" in offs.summary()
+    offs.remove()
+    assert offs.context.closed
+    assert all("forward" not in m.__dict__ for o in (pipe.text_encoder, pipe.transformer, pipe.vae)
+               for m in o.modules())
+    lst = spt.offload([pipe.text_encoder, pipe.vae], budget="32MiB", backend="emu")  # a list works too
+    with torch.no_grad():
+        assert torch.equal(pipe.vae(torch.randn(1, 16, 4, 4).zero_()), ref.vae(torch.zeros(1, 16, 4, 4)))
+    lst.remove()
+
+
+# ---- a model none of whose weights is frozen (what from_pretrained returns) ----
+
+def test_parameters_that_require_grad_are_offloaded_for_inference():
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])  # every parameter requires grad
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 1024)
+    off = spt.offload(m, emu_capacity="24MiB", backend="emu")
+    assert offloaded_bytes(off) > 24 * MiB  # everything was offloaded, nothing kept resident
+    assert all(p.requires_grad for p in m.parameters())
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    y = m(x)  # grad mode: fine until a backward needs the parameters' gradients
+    assert torch.equal(y, ref(x))
+    with pytest.raises(RuntimeError, match="offloaded for inference.*requires_grad_\\(False\\)"):
+        y.sum().backward()
+    off.remove()
+    assert all(p.requires_grad and p.grad is None for p in m.parameters())
+
+
+# ---- bad input: a clear error before anything moves ----
+
+def test_bad_input_is_a_clear_error_before_anything_moves():
+    m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).requires_grad_(False)
+    with pytest.raises(spillway.ConfigError, match="budget 1.00 MiB is below .*at least 6.00 MiB"):
+        spt.offload(m, budget="1MiB", backend="emu")  # no unit smaller than one Linear's weight
+    with pytest.raises(spillway.InvalidArgument, match="given twice"):
+        spt.offload([m, m], budget="16MiB", backend="emu")
+    with pytest.raises(spillway.InvalidArgument, match="submodule"):
+        spt.offload([m, m[0]], budget="16MiB", backend="emu")
+    with pytest.raises(spillway.InvalidArgument, match="holds no torch.nn.Module"):
+        spt.offload(object(), budget="16MiB", backend="emu")
+    with pytest.raises(spillway.InvalidArgument, match="expected a torch.nn.Module"):
+        spt.offload(torch.zeros(3), budget="16MiB", backend="emu")
+    with pytest.raises(spillway.InvalidArgument, match="not a submodule"):
+        spt.offload(m, budget="16MiB", blocks=[nn.Linear(2, 2)], backend="emu")
+    assert all("forward" not in s.__dict__ for s in m.modules())
+    assert all(p.device.type == "cpu" and p.data_ptr() for p in m.parameters())
