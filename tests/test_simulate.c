@@ -144,10 +144,10 @@ static void test_engine_json(void **state) {
  * policy=lru moves no more than the plain LRU model after the first step, and no data is lost. */
 static void test_engine_cyclic64_lru(void **state) {
     (void)state;
-    test_require_trace("cyclic64.access");
+    test_require_data("cyclic64.access");
     char args[512], *out = NULL;
     snprintf(args, sizeof args, "simulate %s/cyclic64.access --budget 2GiB --scale 16 --policy lru "
-             "--json --compare", SPW_TRACES_DIR);
+             "--json --compare", SPW_TEST_DATA_DIR);
     int rc = run_cli(args, &out);
     if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
     double ratio = number(out, "ratio_to_lru_model_after_first");
@@ -175,19 +175,19 @@ static void test_engine_varcyclic_plan(void **state) {
     free(out);
 }
 
-/* ENGINE: policy=plan on every access trace of ../shared/traces at 35, 50 and 75% of the trace's
+/* ENGINE: policy=plan on cyclic64 and train16 (tests/data) at 35, 50 and 75% of the trace's
  * footprint (scaled to stay quick; every size stays a multiple of the page): after the first
  * step no more than 1.05x the oracle's bytes, and fewer than the LRU model's. */
-static void test_engine_shared_traces_plan(void **state) {
+static void test_engine_access_traces_plan(void **state) {
     (void)state;
     static const struct { const char *trace; int scale; } cases[] = {{"cyclic64.access", 16}, {"train16.access", 8}};
     static const char *budgets[] = {"35%", "50%", "75%"};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        test_require_trace(cases[c].trace);
+        test_require_data(cases[c].trace);
         for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
             char args[512], *out = NULL;
             snprintf(args, sizeof args, "simulate %s/%s --budget %s --scale %d --policy plan --json --compare",
-                     SPW_TRACES_DIR, cases[c].trace, budgets[b], cases[c].scale);
+                     SPW_TEST_DATA_DIR, cases[c].trace, budgets[b], cases[c].scale);
             int rc = run_cli(args, &out);
             if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
             double oracle = number(out, "ratio_to_oracle_after_first"), lru = number(out, "ratio_to_lru_model_after_first");
@@ -209,7 +209,7 @@ int main(void) {
         cmocka_unit_test(test_engine_json),         /* ENGINE */
         cmocka_unit_test(test_engine_cyclic64_lru), /* ENGINE */
         cmocka_unit_test(test_engine_varcyclic_plan), /* ENGINE */
-        cmocka_unit_test(test_engine_shared_traces_plan), /* ENGINE */
+        cmocka_unit_test(test_engine_access_traces_plan), /* ENGINE */
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

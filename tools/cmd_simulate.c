@@ -1,5 +1,5 @@
 /*
- * spillway simulate ACCESS_TRACE --budget SIZE: run an access trace (shared/traces/README.md)
+ * spillway simulate ACCESS_TRACE --budget SIZE: run an access trace (tests/data/README.md)
  * through the real offload engine on the emu backend and report the bytes it moved per step,
  * optionally next to the offline yardsticks of oracle.c (--compare).
  *
@@ -12,7 +12,7 @@
  *   f <id>                 spw_buf_destroy
  * After a buffer's last access in the trace its contents are declared dead (spw_discard), as a
  * program does with a buffer it is done with: nothing reads them again, so no policy should
- * write them back. The oracle of shared/traces/README.md assumes the same.
+ * write them back. The oracle of tests/data/README.md assumes the same.
  * The callback checks data integrity cheaply: every write stamps the first bytes of the buffer
  * with the operation's number and every read checks the stamp of the last write (0 before any),
  * so a lost write-back or a wrong mapping shows up as a data error (exit status 1). It touches
