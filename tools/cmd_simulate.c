@@ -582,9 +582,12 @@ static void print_human(const sim_opts *o, const spw_access_trace *t, uint64_t b
            t->nbufs, spw__fmt_bytes(b1, sizeof b1, t->total_bytes),
            spw__fmt_bytes(b2, sizeof b2, t->peak_live_bytes), t->nsteps,
            o->scale > 1 ? " (sizes scaled down)" : "");
-    printf("budget    %s%s%s, backend emu, policy %s\n", spw__fmt_bytes(b1, sizeof b1, budget),
-           o->scale > 1 ? ", scale 1/" : "", o->scale > 1 ? o->budget : "",
-           o->model_only ? "(engine not run)" : policy);
+    /* how the budget came about: a share of the (scaled) trace, or the size given over the scale */
+    size_t blen = strlen(o->budget);
+    printf("budget    %s", spw__fmt_bytes(b1, sizeof b1, budget));
+    if (blen && o->budget[blen - 1] == '%') printf(" = %s of the buffer bytes", o->budget);
+    else if (o->scale > 1) printf(" = %s / %llu", o->budget, (unsigned long long)o->scale);
+    printf(", backend emu, policy %s\n", o->model_only ? "(engine not run)" : policy);
     if (o->scale > 1) printf("scale     every size divided by %llu\n", (unsigned long long)o->scale);
     printf("\n%5s", "step");
     if (!o->model_only) printf(" %12s %12s", "engine h2d", "engine d2h");
