@@ -256,6 +256,10 @@ static void test_replay_oom(void **state) {
         "replay '" SPW_TEST_DATA_DIR "/gpt2_train.trace.gz' --backend emu --budget 1GiB --json", 1);
     assert_non_null(strstr(r.err, "replay op "));
     assert_non_null(strstr(r.err, "SPW_ERR_OUT_OF_MEMORY"));
+    /* words for a command-line user: the default stream by name, no C function to call */
+    assert_non_null(strstr(r.err, " on the default stream;"));
+    assert_null(strstr(r.err, "(nil)"));
+    assert_null(strstr(r.err, "spw_"));
     assert_string_equal(r.out, "");
     cli_free(&r);
 }

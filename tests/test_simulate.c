@@ -117,6 +117,41 @@ static void test_model_only_json(void **state) {
     assert_int_equal(run_cli(args, NULL), 1);
 }
 
+/* The table's header lines: the budget says how it came about (a size over --scale, or a share
+ * of the buffer bytes), and counts of one are singular. */
+static void test_human_header(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    test_require_data("cyclic64.access");
+    snprintf(args, sizeof args, "simulate %s/cyclic64.access --scale 16 --budget 6GiB --model-only",
+             SPW_TEST_DATA_DIR);
+    assert_int_equal(run_cli(args, &out), 0);
+    if (!strstr(out, "\nbudget    ") || !strstr(out, " = 6GiB / 16, backend emu") || strstr(out, "scale 1/"))
+        fail_msg("budget line: %s", out);
+    assert_non_null(strstr(out, "scale     every size divided by 16\n"));
+    free(out);
+    snprintf(args, sizeof args, "simulate %s --budget 50%% --model-only", trace_path);
+    assert_int_equal(run_cli(args, &out), 0);
+    if (!strstr(out, " = 50% of the buffer bytes, backend emu")) fail_msg("budget line: %s", out);
+    assert_non_null(strstr(out, ": 4 buffers ("));
+    assert_non_null(strstr(out, ", 3 steps\n"));
+    free(out);
+    /* one buffer, one step */
+    char one[64];
+    snprintf(one, sizeof one, "/tmp/spw_sim1_XXXXXX");
+    int fd = mkstemp(one);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fputs("b 0 4194304 rw\ns\na 0:rw\n", f);
+    fclose(f);
+    snprintf(args, sizeof args, "simulate %s --budget 8MiB --model-only", one);
+    int rc = run_cli(args, &out);
+    unlink(one);
+    assert_int_equal(rc, 0);
+    if (!strstr(out, ": 1 buffer (") || !strstr(out, ", 1 step\n")) fail_msg("want singular counts: %s", out);
+    free(out);
+}
+
 /* ENGINE: the JSON shape of a real run, with --compare. */
 static void test_engine_json(void **state) {
     (void)state;
@@ -206,6 +241,7 @@ int main(void) {
         cmocka_unit_test(test_bad_usage),
         cmocka_unit_test(test_bad_trace),
         cmocka_unit_test(test_model_only_json),
+        cmocka_unit_test(test_human_header),
         cmocka_unit_test(test_engine_json),         /* ENGINE */
         cmocka_unit_test(test_engine_cyclic64_lru), /* ENGINE */
         cmocka_unit_test(test_engine_varcyclic_plan), /* ENGINE */
