@@ -2,7 +2,8 @@
 BUILD ?= build
 JOBS  ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
-TRACES ?= ../shared/traces
+# the traces `make demo` replays (in the repository; TRACES=DIR reads others)
+TRACES ?= tests/data
 
 .PHONY: all build deps pydeps test test-gpu demo install clean sanitize sanitize-gpu
 
@@ -48,8 +49,11 @@ $(BUILD)/CMakeCache.txt: | deps
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
+# Every test; those labelled gpu need a CUDA device and, without one, are listed as skipped.
 test: build pydeps
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@cd $(BUILD) && gpu=$$(ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p' | xargs); \
+	  [ -z "$$gpu" ] || echo "GPU-only tests (label gpu, skipped above when no CUDA device is usable): $$gpu"
 
 # The same suite against the cuda backend, plus GPU-only tests and the shim's scripts. The
 # Python tests (emu, Debian's CPU torch) are left to `make test`; the GPU machine runs
@@ -57,13 +61,13 @@ test: build pydeps
 test-gpu: build
 	cd $(BUILD) && SPW_TEST_BACKEND=cuda ctest --output-on-failure -j 1 -LE python
 
-demo: build
+# The demo's three parts: the offload engine streaming layers under a budget, an allocation
+# trace replayed, and spillway.torch offloading a model (Debian's CPU torch, installed by pydeps).
+demo: build pydeps
 	./$(BUILD)/spillway bench stream --policy lru,plan --summary
 	./$(BUILD)/spillway replay $(TRACES)/gpt2_train.trace.gz
-	@if /usr/bin/python3 -c 'import torch' 2>/dev/null; then \
-	  SPILLWAY_LIBRARY=$(CURDIR)/$(BUILD)/libspillway.so PYTHONPATH=$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
-	    /usr/bin/python3 python/examples/offload_demo.py; \
-	else echo "demo: /usr/bin/python3 cannot import torch: skipping the spillway.torch demo (apt-get install python3-torch)"; fi
+	SPILLWAY_LIBRARY=$(CURDIR)/$(BUILD)/libspillway.so PYTHONPATH=$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
+	  /usr/bin/python3 python/examples/offload_demo.py
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))

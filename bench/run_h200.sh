@@ -10,8 +10,7 @@ FINAL=${OUT:-$PWD/h200-out}
 OUT=/tmp/h200-logs      # many files here; one archive of them goes to $FINAL at the end
 mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
-TRACES=${TRACES:-../shared/traces}
-[ -d "$TRACES" ] || TRACES=shared/traces
+TRACES=${TRACES:-tests/data}
 steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload pytest-alloc torchalloc ddp}
 has() { [[ " $steps " == *" $1 "* ]]; }
 # pyrun NAME SECONDS SCRIPT ARGS...: a Python benchmark against this build, with --json

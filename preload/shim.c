@@ -877,11 +877,33 @@ static spwp_wrap wraps[W_COUNT] = {
 #undef X
 };
 
+/* 1 when this process is the command `spillway run` started (it exec'd itself into the command,
+ * so the pid it left in SPILLWAY_RUN_PID is ours): that one reports even when it allocated
+ * nothing, its children only when they did. */
+static bool is_run_command(void) {
+    const char *p = getenv("SPILLWAY_RUN_PID");
+    return p && strtol(p, NULL, 10) == (long)getpid();
+}
+
 __attribute__((destructor)) static void spwp_report(void) {
-    if (!atomic_load(&initialised) || !L.cfg.report || disabled) return;
+    if (disabled) return;
+    if (!atomic_load(&initialised)) { /* no CUDA call: the configuration was never read */
+        spwp_config c;
+        char err[512];
+        if (!is_run_command() ||
+            spwp_config_load(&c, getenv("SPILLWAY_CONF"), getenv("SPILLWAY_BUDGET"), getenv("SPILLWAY_REPORT"),
+                             getenv("SPILLWAY_CHARGE_MANAGED"), err, sizeof err) ||
+            !c.report)
+            return;
+        say("no device memory was allocated");
+        return;
+    }
+    if (!L.cfg.report) return;
+    int used = 0;
     for (int d = 0; d < SPWP_MAX_DEVICES; d++) {
         spwp_devstate s = spwp_ledger_state(&L, d);
         if (!s.used) continue;
+        used++;
         uint64_t b = spwp_ledger_budget(&L, d);
         char budget[48];
         if (b == SPWP_UNLIMITED)
@@ -893,4 +915,5 @@ __attribute__((destructor)) static void spwp_report(void) {
             d, budget, (unsigned long long)s.peak, (unsigned long long)s.charged,
             (unsigned long long)s.charges, (unsigned long long)s.refusals);
     }
+    if (!used && is_run_command()) say("no device memory was allocated");
 }

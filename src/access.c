@@ -1,5 +1,5 @@
 /*
- * Access traces: synthetic buffer-access patterns for offload policies (shared/traces/README.md).
+ * Access traces: synthetic buffer-access patterns for offload policies (tests/data/README.md).
  * One record a line, fields separated by blanks, '#' starts a comment (anywhere on a line):
  *
  *     b <id> <bytes> <ro|rw>           create a buffer (its data starts in host memory)

@@ -397,6 +397,13 @@ static spw_status check_mode(const char *fn, spw_access mode) {
     return SPW_OK;
 }
 
+/* A stream as messages name it: the default stream (NULL) by that name, not as a null pointer. */
+static const char *stream_name(spw_stream s, char *buf, size_t len) {
+    if (!s) return "the default stream";
+    snprintf(buf, len, "stream %p", (void *)s);
+    return buf;
+}
+
 /* spw_acquire with the lock held (b checked alive); the lock stays held. */
 static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void **devptr) {
     const char *fn = "spw_acquire";
@@ -450,7 +457,8 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
     spw__tsink_span_end(ctx, s, stall);
     if (st) {
         if (fresh) spw__res_drop_device(ctx, b); /* stream-ordered free on dev_s; contents stay on the host */
-        return spw__error_prefix(st, "%s: ordering stream %p after buffer #%llu", fn, (void *)s,
+        char sn[40];
+        return spw__error_prefix(st, "%s: ordering %s after buffer #%llu", fn, stream_name(s, sn, sizeof sn),
                                  (unsigned long long)b->id);
     }
     if (b->acq++ == 0) spw__stat_add(&ctx->stats.pinned, (int64_t)spw__pol_device_bytes(b));
@@ -493,9 +501,11 @@ static spw_status release_locked(spw_buf *b, spw_stream s) {
     st = spw__copy_order_dev(ctx, b, s);
     bool marked = !st && e->streams_ok && spw__pf_mark(ctx, b);
     if (!st && !marked) st = spw__copy_record_dev(ctx, b, s);
-    if (st)
-        return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on stream %p (still acquired)",
-                                 fn, (unsigned long long)b->id, (void *)s);
+    if (st) {
+        char sn[40];
+        return spw__error_prefix(st, "%s: recording the last use of buffer #%llu on %s (still acquired)",
+                                 fn, (unsigned long long)b->id, stream_name(s, sn, sizeof sn));
+    }
     b->dev_s = s;
     b->dev_rec = !marked;
     b->dev_touched = true;

@@ -196,16 +196,19 @@ SPW_API const char *spw_ctx_backend(const spw_ctx *ctx) { return ctx ? ctx->back
 SPW_API size_t spw_ctx_budget(const spw_ctx *ctx) { return ctx ? ctx->budget : 0; }
 
 spw_status spw__ctx_oom(spw_ctx *ctx, size_t bytes, spw_stream s) {
-    char req[48], bud[48], held[48], live[48], cached[48], pinned[48], largest[48];
+    char req[48], bud[48], held[48], live[48], cached[48], pinned[48], largest[48], strm[40];
     const spw_stats *st = &ctx->stats;
     size_t lf = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
     spw__stat_event(&ctx->stats.ooms);
+    if (s) snprintf(strm, sizeof strm, "stream %p", (void *)s);
+    else snprintf(strm, sizeof strm, "the default stream");
+    /* read by users of every surface (C, Python, the CLI): no function names */
     return spw__error(
         SPW_ERR_OUT_OF_MEMORY,
-        "out of device memory: requested %s on stream %p; budget %s, held %s, live %s, cached %s, "
+        "out of device memory: requested %s on %s; budget %s, held %s, live %s, cached %s, "
         "pinned %s, largest free block %s. The budget is a hard limit (option 'budget'); raise it "
-        "if the device has room, or free memory or release (spw_release) buffers first",
-        spw__fmt_bytes(req, sizeof req, bytes), (void *)s, spw__fmt_bytes(bud, sizeof bud, ctx->budget),
+        "if the device has room, or free memory or release offloaded buffers first",
+        spw__fmt_bytes(req, sizeof req, bytes), strm, spw__fmt_bytes(bud, sizeof bud, ctx->budget),
         spw__fmt_bytes(held, sizeof held, (uint64_t)st->held.current),
         spw__fmt_bytes(live, sizeof live, (uint64_t)st->live.current),
         spw__fmt_bytes(cached, sizeof cached, (uint64_t)st->cached.current),

@@ -13,7 +13,7 @@
  *   Evicting a clean one drops it. Destroying a buffer ('f') drops it.
  * - Bytes count in the step of the operation that caused them.
  *
- * ORACLE (the floor in shared/traces/README.md): on a miss, evict the resident buffer whose next
+ * ORACLE (the floor in tests/data/README.md): on a miss, evict the resident buffer whose next
  * use is farthest away (never used again counts as farthest); write a dirty buffer back only if
  * its next access reads it (next access a w, or none: drop). Buffers whose next uses fall in the
  * same future operation are ordered by their position in that operation.

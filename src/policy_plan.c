@@ -595,7 +595,7 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
         snprintf(buf, len, "policy plan: no plan yet (a step is recorded under LRU, then followed)");
         return;
     }
-    int w = snprintf(buf, len, "policy plan: %zu acquisitions a step; ", p->nplan);
+    int w = snprintf(buf, len, "policy plan: %zu acquisition%s a step; ", p->nplan, p->nplan == 1 ? "" : "s");
     if (w < 0 || (size_t)w >= len) return;
     char *b = buf + w;
     size_t n = len - (size_t)w;

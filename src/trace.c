@@ -1,7 +1,7 @@
 /*
  * Allocation traces: load a whole trace (gzip or plain text, zlib reads both) into an array.
  *
- * Format (shared/traces/README.md), one event a line, fields separated by blanks:
+ * Format (tests/data/README.md), one event a line, fields separated by blanks:
  *     a <id> <bytes> <stream>     allocate
  *     f <id>                      free the allocation <id>
  * Blank lines and lines whose first non-blank character is '#' are ignored; a '#' after the last

@@ -208,8 +208,8 @@ static void test_models_end_of_trace(void **state) {
 static void test_models_cyclic64(void **state) {
     (void)state;
     spw_access_trace t;
-    test_require_trace("cyclic64.access");
-    assert_ok(spw__access_load(SPW_TRACES_DIR "/cyclic64.access", &t));
+    test_require_data("cyclic64.access");
+    assert_ok(spw__access_load(SPW_TEST_DATA_DIR "/cyclic64.access", &t));
     assert_int_equal(t.nbufs, 65);
     spw_model_result o, l;
     assert_ok(spw__model_run(&t, 2 * SPW_GiB, SPW_MODEL_ORACLE, &o));
@@ -231,8 +231,8 @@ static void test_models_cyclic64(void **state) {
 static void test_models_train16(void **state) {
     (void)state;
     spw_access_trace t;
-    test_require_trace("train16.access");
-    assert_ok(spw__access_load(SPW_TRACES_DIR "/train16.access", &t));
+    test_require_data("train16.access");
+    assert_ok(spw__access_load(SPW_TEST_DATA_DIR "/train16.access", &t));
     const double fr[3] = {0.35, 0.50, 0.75};
     for (int i = 0; i < 3; i++) {
         uint64_t budget = (uint64_t)((double)t.total_bytes * fr[i]);

@@ -162,8 +162,8 @@ static void test_replay_bad_trace(void **state) {
 
 static void test_replay_json(void **state) {
     (void)state;
-    test_require_trace("gpt2_train.trace.gz");
-    const char *args = "replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --backend emu --json";
+    test_require_data("gpt2_train.trace.gz");
+    const char *args = "replay '" SPW_TEST_DATA_DIR "/gpt2_train.trace.gz' --backend emu --json";
     cli_result r = run_expect(args, 0);
     static const char *const keys[] = {
         "trace", "backend", "budget_bytes", "ops", "allocs", "frees", "peak_reserved_bytes",
@@ -195,8 +195,8 @@ static void test_replay_json(void **state) {
 
 static void test_replay_human_summary(void **state) {
     (void)state;
-    test_require_trace("gpt2_train.trace.gz");
-    cli_result r = run_expect("replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --summary", 0);
+    test_require_data("gpt2_train.trace.gz");
+    cli_result r = run_expect("replay '" SPW_TEST_DATA_DIR "/gpt2_train.trace.gz' --summary", 0);
     assert_non_null(strstr(r.out, "reserved/live"));
     assert_non_null(strstr(r.out, "ns/op"));
     assert_non_null(strstr(r.out, "backend_allocs")); /* from spw_summary */
@@ -251,11 +251,15 @@ static void test_bad_env(void **state) {
 /* A budget below the trace's peak: the replay fails, naming the op and the budget. */
 static void test_replay_oom(void **state) {
     (void)state;
-    test_require_trace("gpt2_train.trace.gz");
+    test_require_data("gpt2_train.trace.gz");
     cli_result r = run_expect(
-        "replay '" SPW_TRACES_DIR "/gpt2_train.trace.gz' --backend emu --budget 1GiB --json", 1);
+        "replay '" SPW_TEST_DATA_DIR "/gpt2_train.trace.gz' --backend emu --budget 1GiB --json", 1);
     assert_non_null(strstr(r.err, "replay op "));
     assert_non_null(strstr(r.err, "SPW_ERR_OUT_OF_MEMORY"));
+    /* words for a command-line user: the default stream by name, no C function to call */
+    assert_non_null(strstr(r.err, " on the default stream;"));
+    assert_null(strstr(r.err, "(nil)"));
+    assert_null(strstr(r.err, "spw_"));
     assert_string_equal(r.out, "");
     cli_free(&r);
 }

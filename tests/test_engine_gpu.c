@@ -52,7 +52,7 @@ static void rotate(spw_ctx *ctx, spw_buf **b, spw_stream s) {
 
 static void run(const char *conf, int rounds, bool steps) {
     spw_ctx *ctx = gpu_ctx(conf);
-    if (!ctx) skip();
+    assert_non_null(ctx);
     spw_stream s;
     assert_ok(spw_stream_create(ctx, &s));
     spw_buf *b[N];
@@ -102,6 +102,7 @@ static void managed_lru(void **state) {
 }
 
 int main(void) {
+    if (!test_have_gpu("test_engine_gpu")) return TEST_SKIP_EXIT;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(explicit_lru),
         cmocka_unit_test(explicit_plan),

@@ -591,6 +591,17 @@ static void summary_line(void **state) {
     assert_non_null(strstr(text, "policy plan: 4 acquisitions a step; no prefetch (prefetch=off)"));
     free(text);
     spw_ctx_destroy(ctx);
+    /* one acquisition a step: singular */
+    ctx = plan_ctx();
+    assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[0]));
+    for (int s = 0; s < 2; s++) {
+        assert_ok(spw_step_begin(ctx));
+        touch(ctx, b[0], SPW_ACCESS_READ);
+    }
+    text = test_summary(ctx, 0);
+    assert_non_null(strstr(text, "policy plan: 1 acquisition a step; "));
+    free(text);
+    spw_ctx_destroy(ctx);
 }
 
 int main(void) {

@@ -1,6 +1,7 @@
 /*
  * spillway probe: the fallback classifier on synthetic bandwidth series, the PCIe and budget
- * arithmetic, and the CLI on emu (JSON shape, table, bad arguments). No GPU needed.
+ * arithmetic, and the CLI on emu (JSON shape, table, bad arguments). No GPU needed; with --gpu,
+ * only the real probe on a CUDA device (test_probe_gpu).
  */
 #include "test_util.h"
 
@@ -308,7 +309,7 @@ static void cli_json_emu(void **state) {
     free(out);
 }
 
-/* make test-gpu: the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
+/* test_probe_gpu (test_probe --gpu; label gpu): the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
  * pinned copies within 5% of 55 GB/s each way, both ways within 10% of 99 GB/s, the self-test
  * chunk flagged and no VRAM chunk flagged. */
 /* Those bounds on one probe's JSON; NULL when met, else what is off (static text). */
@@ -330,14 +331,13 @@ static const char *gpu_figures_off(const char *out, char *why, size_t len) {
     return NULL;
 }
 
-/* make test-gpu: the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
+/* test_probe_gpu (test_probe --gpu; label gpu): the real probe's JSON on the GPU, with the figures the probe must reach on the H200:
  * pinned copies within 5% of 55 GB/s each way, both ways within 10% of 99 GB/s, the self-test
  * chunk flagged and no VRAM chunk flagged. Bidirectional PCIe throughput varies from run to
  * run with where the host buffers land (seen: 85 to 102 GB/s on the H200), so a run whose
  * figures are off is repeated once; both runs are reported. */
 static void cli_json_gpu(void **state) {
     (void)state;
-    if (test_on_emu()) skip();
     char why[2][160] = {"", ""};
     for (int attempt = 0; attempt < 2; attempt++) {
         char *out = NULL;
@@ -404,7 +404,14 @@ static void cli_bad_arguments(void **state) {
     free(out);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--gpu") == 0) {
+        if (!test_have_gpu("test_probe_gpu")) return TEST_SKIP_EXIT;
+        const struct CMUnitTest gpu[] = {
+            cmocka_unit_test(cli_json_gpu),
+        };
+        return cmocka_run_group_tests(gpu, NULL, NULL);
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(classify_flat_vram),
         cmocka_unit_test(classify_cliff_flags_exactly_after),
@@ -415,7 +422,6 @@ int main(void) {
         cmocka_unit_test(json_checker_rejects_garbage),
         cmocka_unit_test(cli_json_emu),
         cmocka_unit_test(cli_table_emu),
-        cmocka_unit_test(cli_json_gpu),
         cmocka_unit_test(cli_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

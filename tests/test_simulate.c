@@ -117,6 +117,41 @@ static void test_model_only_json(void **state) {
     assert_int_equal(run_cli(args, NULL), 1);
 }
 
+/* The table's header lines: the budget says how it came about (a size over --scale, or a share
+ * of the buffer bytes), and counts of one are singular. */
+static void test_human_header(void **state) {
+    (void)state;
+    char args[512], *out = NULL;
+    test_require_data("cyclic64.access");
+    snprintf(args, sizeof args, "simulate %s/cyclic64.access --scale 16 --budget 6GiB --model-only",
+             SPW_TEST_DATA_DIR);
+    assert_int_equal(run_cli(args, &out), 0);
+    if (!strstr(out, "\nbudget    ") || !strstr(out, " = 6GiB / 16, backend emu") || strstr(out, "scale 1/"))
+        fail_msg("budget line: %s", out);
+    assert_non_null(strstr(out, "scale     every size divided by 16\n"));
+    free(out);
+    snprintf(args, sizeof args, "simulate %s --budget 50%% --model-only", trace_path);
+    assert_int_equal(run_cli(args, &out), 0);
+    if (!strstr(out, " = 50% of the buffer bytes, backend emu")) fail_msg("budget line: %s", out);
+    assert_non_null(strstr(out, ": 4 buffers ("));
+    assert_non_null(strstr(out, ", 3 steps\n"));
+    free(out);
+    /* one buffer, one step */
+    char one[64];
+    snprintf(one, sizeof one, "/tmp/spw_sim1_XXXXXX");
+    int fd = mkstemp(one);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fputs("b 0 4194304 rw\ns\na 0:rw\n", f);
+    fclose(f);
+    snprintf(args, sizeof args, "simulate %s --budget 8MiB --model-only", one);
+    int rc = run_cli(args, &out);
+    unlink(one);
+    assert_int_equal(rc, 0);
+    if (!strstr(out, ": 1 buffer (") || !strstr(out, ", 1 step\n")) fail_msg("want singular counts: %s", out);
+    free(out);
+}
+
 /* ENGINE: the JSON shape of a real run, with --compare. */
 static void test_engine_json(void **state) {
     (void)state;
@@ -144,10 +179,10 @@ static void test_engine_json(void **state) {
  * policy=lru moves no more than the plain LRU model after the first step, and no data is lost. */
 static void test_engine_cyclic64_lru(void **state) {
     (void)state;
-    test_require_trace("cyclic64.access");
+    test_require_data("cyclic64.access");
     char args[512], *out = NULL;
     snprintf(args, sizeof args, "simulate %s/cyclic64.access --budget 2GiB --scale 16 --policy lru "
-             "--json --compare", SPW_TRACES_DIR);
+             "--json --compare", SPW_TEST_DATA_DIR);
     int rc = run_cli(args, &out);
     if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
     double ratio = number(out, "ratio_to_lru_model_after_first");
@@ -175,19 +210,19 @@ static void test_engine_varcyclic_plan(void **state) {
     free(out);
 }
 
-/* ENGINE: policy=plan on every access trace of ../shared/traces at 35, 50 and 75% of the trace's
+/* ENGINE: policy=plan on cyclic64 and train16 (tests/data) at 35, 50 and 75% of the trace's
  * footprint (scaled to stay quick; every size stays a multiple of the page): after the first
  * step no more than 1.05x the oracle's bytes, and fewer than the LRU model's. */
-static void test_engine_shared_traces_plan(void **state) {
+static void test_engine_access_traces_plan(void **state) {
     (void)state;
     static const struct { const char *trace; int scale; } cases[] = {{"cyclic64.access", 16}, {"train16.access", 8}};
     static const char *budgets[] = {"35%", "50%", "75%"};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        test_require_trace(cases[c].trace);
+        test_require_data(cases[c].trace);
         for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
             char args[512], *out = NULL;
             snprintf(args, sizeof args, "simulate %s/%s --budget %s --scale %d --policy plan --json --compare",
-                     SPW_TRACES_DIR, cases[c].trace, budgets[b], cases[c].scale);
+                     SPW_TEST_DATA_DIR, cases[c].trace, budgets[b], cases[c].scale);
             int rc = run_cli(args, &out);
             if (rc != 0) fail_msg("ENGINE: '%s' exited %d", args, rc);
             double oracle = number(out, "ratio_to_oracle_after_first"), lru = number(out, "ratio_to_lru_model_after_first");
@@ -206,10 +241,11 @@ int main(void) {
         cmocka_unit_test(test_bad_usage),
         cmocka_unit_test(test_bad_trace),
         cmocka_unit_test(test_model_only_json),
+        cmocka_unit_test(test_human_header),
         cmocka_unit_test(test_engine_json),         /* ENGINE */
         cmocka_unit_test(test_engine_cyclic64_lru), /* ENGINE */
         cmocka_unit_test(test_engine_varcyclic_plan), /* ENGINE */
-        cmocka_unit_test(test_engine_shared_traces_plan), /* ENGINE */
+        cmocka_unit_test(test_engine_access_traces_plan), /* ENGINE */
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

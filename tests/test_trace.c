@@ -1,5 +1,5 @@
 /* Allocation trace loader: valid input (plain and gzip), every kind of malformed line reported
- * with its line number, missing files, and the real shared traces against their .json. */
+ * with its line number, missing files, and the recorded traces (tests/data) against their .json. */
 #include "test_util.h"
 
 #include <stdio.h>
@@ -231,11 +231,11 @@ static uint64_t json_u64(const char *path, const char *key) {
 static void check_real_trace(const char *name) {
     char trace[512], json[512];
     snprintf(trace, sizeof trace, "%s.trace.gz", name);
-    test_require_trace(trace);
+    test_require_data(trace);
     snprintf(json, sizeof json, "%s.json", name);
-    test_require_trace(json);
-    snprintf(trace, sizeof trace, "%s/%s.trace.gz", SPW_TRACES_DIR, name);
-    snprintf(json, sizeof json, "%s/%s.json", SPW_TRACES_DIR, name);
+    test_require_data(json);
+    snprintf(trace, sizeof trace, "%s/%s.trace.gz", SPW_TEST_DATA_DIR, name);
+    snprintf(json, sizeof json, "%s/%s.json", SPW_TEST_DATA_DIR, name);
     spw_trace t = {0};
     uint64_t t0 = spw__now_ns();
     assert_ok(spw__trace_load(trace, &t));

@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,12 +13,17 @@ int test_on_emu(void) {
     return !b || strcmp(b, "cuda") != 0;
 }
 
-void test_require_trace(const char *name) {
+void test_require_data(const char *name) {
     char path[1024];
-    snprintf(path, sizeof path, "%s/%s", SPW_TRACES_DIR, name);
+    snprintf(path, sizeof path, "%s/%s", SPW_TEST_DATA_DIR, name);
     if (access(path, R_OK) == 0) return;
-    print_message("skipped: %s is not readable\n", path);
-    skip();
+    fail_msg("test data %s is not readable: %s", path, strerror(errno));
+}
+
+int test_have_gpu(const char *name) {
+    if (spw__backend_cuda_available()) return 1;
+    printf("%s: GPU-only test, no usable CUDA device here: skipped\n", name);
+    return 0;
 }
 
 spw_ctx *test_ctx(const char *conf) {

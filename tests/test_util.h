@@ -21,9 +21,15 @@ int test_on_emu(void);
     do {                                                                                       \
         if (!test_on_emu()) skip();                                                            \
     } while (0)
-/* Skip the current test, saying why, unless the shared trace file `name` is readable (the
- * traces live outside the repository, in ../shared/traces). */
-void test_require_trace(const char *name);
+/* The exit status of a test program that needs a CUDA device and finds none: ctest reports the
+ * test as skipped (SKIP_RETURN_CODE of the tests labelled gpu, tests/CMakeLists.txt). */
+#define TEST_SKIP_EXIT 77
+/* In main() of a GPU-only test program: 1 when a CUDA device is usable; else it prints that the
+ * program `name` is skipped and returns 0 (main then returns TEST_SKIP_EXIT). */
+int test_have_gpu(const char *name);
+/* Fail the current test, naming the path, unless the test data file `name` (in tests/data) is
+ * readable: a missing input is a failure, not a skip. */
+void test_require_data(const char *name);
 /* assert a status, printing spw_last_error() on mismatch */
 #define assert_status(expr, want)                                                              \
     do {                                                                                       \

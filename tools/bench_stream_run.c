@@ -324,7 +324,7 @@ static int enqueue_copy(bench *B, run_state *S, host_copy *arg, void *dst, const
 #endif
     *arg = (host_copy){dst, src, B->act_bytes};
     spw_status st = spw_launch_host(S->ctx, S->s, host_copy_run, arg);
-    if (st) spw_cli_fail("spw_launch_host", st);
+    if (st) spw_cli_fail("enqueueing the layer's work", st);
     return st != SPW_OK;
 }
 
@@ -334,7 +334,7 @@ static int enqueue_gemm(bench *B, run_state *S, host_gemm *arg, const void *x, c
 #endif
     *arg = (host_gemm){x, w, y, (size_t)B->o.batch, B->K, S->acc};
     spw_status st = spw_launch_host(S->ctx, S->s, host_gemm_run, arg);
-    if (st) spw_cli_fail("spw_launch_host", st);
+    if (st) spw_cli_fail("enqueueing the layer's work", st);
     return st != SPW_OK;
 }
 
@@ -342,7 +342,7 @@ static int enqueue_gemm(bench *B, run_state *S, host_gemm *arg, const void *x, c
 static int read_back(bench *B, run_state *S, const void *src, uint16_t *dst) {
     spw_status st = spw_stream_synchronize(S->ctx, S->s);
     if (st) {
-        spw_cli_fail("spw_stream_synchronize", st);
+        spw_cli_fail("waiting for the stream", st);
         return 1;
     }
 #ifdef SPW_HAVE_CUDA
@@ -459,7 +459,7 @@ int bs_run_policy(bench *B, bs_run *r, bool last) {
     if ((rc = make_ctx(B, r->policy, &S.ctx))) goto out;
     rc = 1;
     if ((st = spw_stream_create(S.ctx, &S.s))) {
-        spw_cli_fail("spw_stream_create", st);
+        spw_cli_fail("creating a stream", st);
         goto out;
     }
     void *bufs[4] = {0};
@@ -499,7 +499,7 @@ fail:
 out:
     for (long l = 0; S.w && l < N; l++)
         if (S.w[l] && (st = spw_buf_destroy(S.w[l]))) {
-            spw_cli_fail("spw_buf_destroy", st);
+            spw_cli_fail("destroying a buffer", st);
             rc = 1;
         }
     void *acts[4] = {S.x0d, S.act[0], S.act[1], S.first_out};
@@ -507,7 +507,7 @@ out:
         if (acts[i]) spw_free(S.ctx, acts[i], S.s);
     if (S.s) spw_stream_destroy(S.ctx, S.s);
     if (S.ctx && (st = spw_ctx_destroy(S.ctx))) {
-        spw_cli_fail("spw_ctx_destroy", st);
+        spw_cli_fail("closing the context", st);
         rc = 1;
     }
 #ifdef SPW_HAVE_CUDA

@@ -157,8 +157,11 @@ int spw_cmd_run(int argc, char **argv) {
         return 127;
     }
     snprintf(ld, len, "%s%s%s", shim, old && *old ? ":" : "", old && *old ? old : "");
+    /* exec keeps the pid: the interposer knows the command from its children by it (its report) */
+    char pid[24];
+    snprintf(pid, sizeof pid, "%ld", (long)getpid());
     if (setenv("LD_PRELOAD", ld, 1) || (budget && setenv("SPILLWAY_BUDGET", budget, 1)) ||
-        (report && setenv("SPILLWAY_REPORT", "1", 1))) {
+        (report && setenv("SPILLWAY_REPORT", "1", 1)) || setenv("SPILLWAY_RUN_PID", pid, 1)) {
         fprintf(stderr, "spillway run: cannot set the environment: %s\n", strerror(errno));
         free(ld);
         return 127;

@@ -1,5 +1,5 @@
 /*
- * spillway simulate ACCESS_TRACE --budget SIZE: run an access trace (shared/traces/README.md)
+ * spillway simulate ACCESS_TRACE --budget SIZE: run an access trace (tests/data/README.md)
  * through the real offload engine on the emu backend and report the bytes it moved per step,
  * optionally next to the offline yardsticks of oracle.c (--compare).
  *
@@ -12,7 +12,7 @@
  *   f <id>                 spw_buf_destroy
  * After a buffer's last access in the trace its contents are declared dead (spw_discard), as a
  * program does with a buffer it is done with: nothing reads them again, so no policy should
- * write them back. The oracle of shared/traces/README.md assumes the same.
+ * write them back. The oracle of tests/data/README.md assumes the same.
  * The callback checks data integrity cheaply: every write stamps the first bytes of the buffer
  * with the operation's number and every read checks the stamp of the last write (0 before any),
  * so a lost write-back or a wrong mapping shows up as a data error (exit status 1). It touches
@@ -250,11 +250,11 @@ static int run_access(sim_run *r, size_t i) {
         r->expect[op->first + k] = r->stamp[it->buf];
         if (it->mode != SPW_ACCESS_READ) r->stamp[it->buf] = i + 1;
     }
-    const char *what = "spw_acquire";
+    const char *what = "acquiring";
     if (st == SPW_OK) {
         r->cb[i] = (cb_arg){.r = r, .op = i};
         st = spw_launch_host(r->ctx, r->stream, touch, &r->cb[i]);
-        what = "spw_launch_host";
+        what = "the stand-in kernel over";
     }
     spw_status fail = st;
     char msg[1024];
@@ -264,9 +264,9 @@ static int run_access(sim_run *r, size_t i) {
         spw_status rs = spw_release(r->bufs[b], r->stream);
         if (rs == SPW_OK && fail == SPW_OK && r->last_op[b] == i) {
             rs = spw_discard(r->bufs[b]);
-            if (rs != SPW_OK) what = "spw_discard";
+            if (rs != SPW_OK) what = "discarding";
         } else if (rs != SPW_OK) {
-            what = "spw_release";
+            what = "releasing";
         }
         if (rs != SPW_OK && fail == SPW_OK) {
             fail = rs;
@@ -276,7 +276,7 @@ static int run_access(sim_run *r, size_t i) {
     if (fail == SPW_OK) return 0;
     const spw_access_item *it = &r->t->items[op->first + (k < op->count ? k : 0)];
     char b[64];
-    fprintf(stderr, "spillway simulate: %s:%zu: %s of buffer %llu (%s, mode %s) failed: %s: %s\n",
+    fprintf(stderr, "spillway simulate: %s:%zu: %s buffer %llu (%s, mode %s) failed: %s: %s\n",
             r->path, op->line, what, (unsigned long long)r->t->bufs[it->buf].id,
             spw__fmt_bytes(b, sizeof b, r->t->bufs[it->buf].bytes),
             it->mode == SPW_ACCESS_READ ? "r" : it->mode == SPW_ACCESS_WRITE ? "w" : "rw",
@@ -364,11 +364,11 @@ static int run_ops(sim_run *r, sim_result *res, spw_stats *last) {
     for (size_t i = 0; i < t->nops; i++) {
         const spw_access_op *op = &t->ops[i];
         if (op->kind == 's' || (op->kind == 'a' && cur < 0)) {
-            if (step_open && (st = spw_step_end(r->ctx)) != SPW_OK) return op_fail(op, "spw_step_end", st);
+            if (step_open && (st = spw_step_end(r->ctx)) != SPW_OK) return op_fail(op, "ending the step", st);
             step_open = false;
             if (cur >= 0 && close_step(r, res, (size_t)cur, last) != 0) return 1;
             if (op->kind == 's' && (st = spw_step_begin(r->ctx)) != SPW_OK)
-                return op_fail(op, "spw_step_begin", st);
+                return op_fail(op, "beginning a step", st);
             step_open = op->kind == 's';
             cur = (long)op->step;
             if (op->kind == 's') continue;
@@ -382,13 +382,13 @@ static int run_ops(sim_run *r, sim_result *res, spw_stats *last) {
                 fprintf(stderr, "spillway simulate: trace:%zu: buffer %llu (%s): ", op->line,
                         (unsigned long long)t->bufs[op->buf].id,
                         spw__fmt_bytes(b, sizeof b, t->bufs[op->buf].bytes));
-                spw_cli_fail("spw_buf_create", st);
+                spw_cli_fail("creating the buffer", st);
                 return 1;
             }
         } else if (op->kind == 'f') {
             st = spw_buf_destroy(r->bufs[op->buf]);
             r->bufs[op->buf] = NULL;
-            if (st != SPW_OK) return op_fail(op, "spw_buf_destroy", st);
+            if (st != SPW_OK) return op_fail(op, "destroying the buffer", st);
         }
     }
     if (step_open && (st = spw_step_end(r->ctx)) != SPW_OK) {
@@ -578,13 +578,16 @@ static double mib(uint64_t b) { return (double)b / (double)SPW_MiB; }
 static void print_human(const sim_opts *o, const spw_access_trace *t, uint64_t budget,
                         const char *policy, const sim_result *e, const spw_model_result *m) {
     char b1[64], b2[64];
-    printf("trace     %s: %zu buffers (%s in all, peak live %s), %zu steps%s\n", o->trace,
-           t->nbufs, spw__fmt_bytes(b1, sizeof b1, t->total_bytes),
-           spw__fmt_bytes(b2, sizeof b2, t->peak_live_bytes), t->nsteps,
+    printf("trace     %s: %zu buffer%s (%s in all, peak live %s), %zu step%s%s\n", o->trace,
+           t->nbufs, t->nbufs == 1 ? "" : "s", spw__fmt_bytes(b1, sizeof b1, t->total_bytes),
+           spw__fmt_bytes(b2, sizeof b2, t->peak_live_bytes), t->nsteps, t->nsteps == 1 ? "" : "s",
            o->scale > 1 ? " (sizes scaled down)" : "");
-    printf("budget    %s%s%s, backend emu, policy %s\n", spw__fmt_bytes(b1, sizeof b1, budget),
-           o->scale > 1 ? ", scale 1/" : "", o->scale > 1 ? o->budget : "",
-           o->model_only ? "(engine not run)" : policy);
+    /* how the budget came about: a share of the (scaled) trace, or the size given over the scale */
+    size_t blen = strlen(o->budget);
+    printf("budget    %s", spw__fmt_bytes(b1, sizeof b1, budget));
+    if (blen && o->budget[blen - 1] == '%') printf(" = %s of the buffer bytes", o->budget);
+    else if (o->scale > 1) printf(" = %s / %llu", o->budget, (unsigned long long)o->scale);
+    printf(", backend emu, policy %s\n", o->model_only ? "(engine not run)" : policy);
     if (o->scale > 1) printf("scale     every size divided by %llu\n", (unsigned long long)o->scale);
     printf("\n%5s", "step");
     if (!o->model_only) printf(" %12s %12s", "engine h2d", "engine d2h");
