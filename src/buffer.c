@@ -109,10 +109,11 @@ spw_status spw__engine_create(spw_ctx *ctx) {
         return spw__error(SPW_ERR_CONFIG, "option 'policy': value %d has no implementation", (int)ctx->cfg.policy);
     }
     size_t hb = spw__size_resolve(&ctx->cfg.host_budget, physical_ram());
-    if ((st = spw__hostpool_create(ctx, hb, &e->hp))) goto fail;
+    if ((st = spw__hostpool_create(ctx->backend, &ctx->stats.host_held, hb, &e->hp))) goto fail;
     if ((st = spw__tsink_create(ctx->cfg.trace, &e->sink))) goto fail;
     if ((st = e->pops->create(ctx, &e->pol))) goto fail;
     ctx->engine = e;
+    ctx->pressure = spw__engine_alloc_evicting;
     return SPW_OK;
 fail:
     spw__tsink_put(e->sink);
@@ -196,6 +197,7 @@ void spw__engine_destroy(spw_ctx *ctx) {
     }
     spw__tsink_put(e->sink);
     ctx->engine = NULL;
+    ctx->pressure = NULL;
     pthread_mutex_unlock(&ctx->lock);
     free(e);
 }
@@ -670,8 +672,12 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     b->replica = false; /* the host write invalidated any read-mostly replica's pages */
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
-        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) spw__res_drop_device(ctx, b);
-        else b->dv = true;
+        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) {
+            spw__res_drop_device(ctx, b);
+        } else {
+            b->dv = true;
+            spw__pf_watch(ctx, b);
+        }
     }
     spw__error_clear();
 out:

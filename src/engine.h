@@ -192,7 +192,9 @@ void spw__pf_unwatch(spw_ctx *ctx, spw_buf *b);
 uint64_t spw__pf_seen(spw_ctx *ctx);
 
 /* ---- hostmem.c: pinned host pool (context lock held) ---- */
-spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);
+/* A pool over backend `be` holding at most `budget` bytes; the bytes it holds are counted in
+ * *held (the owner's counter, guarded by the owner's lock). */
+spw_status spw__hostpool_create(spw_backend *be, spw_counter *held, size_t budget, spw_hostpool **out);
 void spw__hostpool_destroy(spw_hostpool *hp);
 /* `bytes` of pinned host memory from a slab; SPW_ERR_HOST_OUT_OF_MEMORY names the numbers. */
 spw_status spw__hostpool_alloc(spw_hostpool *hp, size_t bytes, void **ptr, spw_hblock **blk);

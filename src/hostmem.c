@@ -39,16 +39,18 @@ struct hslab {
 };
 
 struct spw_hostpool {
-    spw_ctx *ctx;
+    spw_backend *be;
+    spw_counter *held_ctr; /* the owner's host_held counter */
     size_t budget, held, used;
     size_t next_slab;
     hslab *slabs;
 };
 
-spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out) {
+spw_status spw__hostpool_create(spw_backend *be, spw_counter *held, size_t budget, spw_hostpool **out) {
     spw_hostpool *hp = calloc(1, sizeof *hp);
     if (!hp) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "host pool: out of host memory");
-    hp->ctx = ctx;
+    hp->be = be;
+    hp->held_ctr = held;
     hp->budget = budget;
     hp->next_slab = SLAB_MIN;
     *out = hp;
@@ -56,7 +58,7 @@ spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out)
 }
 
 static void slab_release(spw_hostpool *hp, hslab *s) {
-    spw_backend *be = hp->ctx->backend;
+    spw_backend *be = hp->be;
     be->ops->host_free(be, s->base); /* a failure leaves the memory to the backend's teardown */
     for (spw_hblock *b = s->first, *n; b; b = n) {
         n = b->next;
@@ -66,7 +68,7 @@ static void slab_release(spw_hostpool *hp, hslab *s) {
     else hp->slabs = s->next;
     if (s->next) s->next->prev = s->prev;
     hp->held -= s->size;
-    spw__stat_add(&hp->ctx->stats.host_held, -(int64_t)s->size);
+    spw__stat_add(hp->held_ctr, -(int64_t)s->size);
     free(s);
 }
 
@@ -131,7 +133,7 @@ static spw_status grow(spw_hostpool *hp, size_t n) {
         free(b);
         return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "host pool: out of host memory");
     }
-    spw_backend *be = hp->ctx->backend;
+    spw_backend *be = hp->be;
     void *p = NULL;
     spw_status st = be->ops->host_alloc(be, want, &p);
     if (st) {
@@ -150,7 +152,7 @@ static spw_status grow(spw_hostpool *hp, size_t n) {
     if (hp->slabs) hp->slabs->prev = s;
     hp->slabs = s;
     hp->held += want;
-    spw__stat_add(&hp->ctx->stats.host_held, (int64_t)want);
+    spw__stat_add(hp->held_ctr, (int64_t)want);
     if (hp->next_slab < SLAB_MAX) hp->next_slab *= 2;
     return SPW_OK;
 }

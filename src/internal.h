@@ -97,9 +97,21 @@ typedef struct spw_arena spw_arena;
 typedef struct spw_block spw_block;
 struct spw_ctx;
 
+/* What an arena charges and what bounds it, both owned by the caller and outliving the arena.
+ * The arena updates the counters held, cached, segments, backend_allocs, backend_frees,
+ * cross_stream_waits and trim_syncs, reads live (fragmentation slack), and never lets
+ * held.current pass *budget. Arenas handed the same account share its budget. Guarded by the
+ * caller's lock, like every arena call. */
+typedef struct spw_arena_acct {
+    spw_stats *stats;
+    const size_t *budget;
+} spw_arena_acct;
+
 typedef struct spw_arena_params {
     spw_backend *backend;
-    struct spw_ctx *ctx;     /* owner: budget and stats live there */
+    spw_arena_acct acct;     /* counters and budget, the owner's */
+    double grow_ahead;       /* VMM growth maps this fraction of held bytes beyond the request */
+    double frag_slack;       /* held may exceed live by this fraction before cache is trimmed */
     size_t reserve_bytes;    /* VA to reserve (VMM mode) */
     size_t page;             /* mapping granularity (VMM) or segment rounding */
     size_t min_segment;      /* non-VMM: smallest segment to allocate */
@@ -170,6 +182,13 @@ size_t spw__arena_held(const spw_arena *a);
 
 typedef struct spw_live spw_live; /* ptr -> block map entry */
 
+/* Memory pressure: spw_malloc at the budget, after the caches of both arenas were given back,
+ * asks the callback for a block of `bytes` from arena a for stream s. It returns SPW_OK with
+ * *out set, SPW_ERR_OUT_OF_MEMORY without a message when it cannot make room (the caller writes
+ * the report), or another error. Context lock held. */
+typedef spw_status (*spw_ctx_pressure_fn)(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
+                                          spw_block **out);
+
 struct spw_ctx {
     pthread_mutex_t lock;
     spw_config cfg;
@@ -183,6 +202,7 @@ struct spw_ctx {
     spw_live *live_spare;       /* recycled map entries */
     spw_stats stats;            /* guarded by lock */
     struct spw_engine *engine;  /* offload engine (buffer.c); guarded by lock */
+    spw_ctx_pressure_fn pressure; /* registered by the engine; NULL: fail at the budget */
 };
 
 /* Take the context lock, counting a wait for another thread in lock_waits and lock_wait_ns
@@ -190,8 +210,6 @@ struct spw_ctx {
 void spw__ctx_lock(struct spw_ctx *ctx);
 /* Charge/refund held bytes against the budget. charge fails (changing nothing) past the budget. */
 bool spw__ctx_can_hold(const struct spw_ctx *ctx, size_t more);
-void spw__stat_add(spw_counter *c, int64_t delta);
-void spw__stat_event(spw_counter *c);
 /* Allocate from arena a; at the budget, give back the other arena's cache (it counts against
  * the same budget) and try once more. SPW_ERR_OUT_OF_MEMORY without a message when it cannot.
  * Context lock held. */
@@ -200,6 +218,8 @@ spw_status spw__ctx_alloc_block(struct spw_ctx *ctx, spw_arena *a, size_t bytes,
  * passed on in w[0..*nw)). */
 spw_status spw__ctx_alloc_block_ordered(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
                                         spw_block **out, spw_arena_wait *w, int *nw);
+/* Free the pointer map (teardown; the memory it names goes with the arenas). */
+void spw__ctx_live_clear(struct spw_ctx *ctx);
 /* true if ptr is a live allocation of ctx; *requested (may be NULL) gets its requested size. */
 bool spw__ctx_live_requested(struct spw_ctx *ctx, const void *ptr, size_t *requested);
 /* Change the budget to bytes (1 .. budget_max). Lowering it below held bytes releases the cache
@@ -211,11 +231,12 @@ spw_status spw__ctx_oom(struct spw_ctx *ctx, size_t bytes, spw_stream s);
 /* ---- buffer.c, residency.c: the offload engine (details in engine.h, policy.h) ---- */
 
 /* Create / destroy the engine of a context. create makes no backend call (copy streams are
- * created with the first buffer); destroy releases every live buffer (waiting for its work),
+ * created with the first buffer) and registers spw__engine_alloc_evicting as the context's
+ * pressure callback; destroy releases every live buffer (waiting for its work),
  * then the copy streams, the host pool and the trace. Called without the lock. */
 spw_status spw__engine_create(struct spw_ctx *ctx);
 void spw__engine_destroy(struct spw_ctx *ctx);
-/* spw_malloc at the budget: evict unpinned buffers through the policy and retry the arena
+/* The pressure callback (spw_ctx_pressure_fn): evict unpinned buffers through the policy and retry the arena
  * until the request fits. Lock held. Returns SPW_OK, or SPW_ERR_OUT_OF_MEMORY without a
  * message (the caller writes the OOM report), or another error from an eviction. With
  * on_exhaust=fail it returns SPW_ERR_OUT_OF_MEMORY at once. */
@@ -225,10 +246,21 @@ spw_status spw__engine_alloc_evicting(struct spw_ctx *ctx, spw_arena *a, size_t 
 void spw__engine_stats_sync(struct spw_ctx *ctx);
 /* The policy's one-line account of itself ("" when it has none). Context lock held. */
 void spw__engine_describe(struct spw_ctx *ctx, char *buf, size_t len);
-/* The same, taking the context lock (ctx.c; for the summary and the tools). */
+/* The same, taking the context lock (ctx_create.c; for the summary and the tools). */
 void spw__ctx_describe_policy(struct spw_ctx *ctx, char *buf, size_t len);
 
 /* ---- stats.c ---- */
+/* Counter updates; the caller holds whatever lock guards the counter. */
+static inline void spw__stat_add(spw_counter *c, int64_t delta) {
+    c->current += delta;
+    if (c->current > c->peak) c->peak = c->current;
+    if (delta > 0) c->total += delta;
+}
+static inline void spw__stat_event(spw_counter *c) {
+    c->current++;
+    c->total++;
+    c->peak = c->current;
+}
 void spw__stats_print_table(const spw_stats *st, const char *backend, FILE *f);
 void spw__stats_print_json(const spw_stats *st, const char *backend, FILE *f);
 

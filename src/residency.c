@@ -308,6 +308,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
         b->dev_rec = b->dev_touched = false;
         return st;
     }
+    if (upload) spw__pf_watch(ctx, b); /* the worker may see the upload complete */
     settle_owed(ctx);
     b->dv = upload;
     set_resident(ctx, b, true);

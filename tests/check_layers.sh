@@ -1,0 +1,64 @@
+#!/bin/sh
+# Checks that the library's layers point down, on the object files of the build.
+# usage: check_layers.sh LIST   (LIST: a file naming one object file a line)
+#
+# For each rule "LOWER : UPPER", no object of LOWER may reference a symbol that an object of
+# UPPER defines. Names are object basenames without ".c.o"/".o"; a trailing * matches a prefix.
+# An upper layer reaches a lower one only through calls down; a lower layer that must reach up
+# (memory pressure, the prefetch worker's watch) calls a callback the upper one registered.
+set -eu
+list=$1
+[ -s "$list" ] || { echo "check_layers: no object list at $list" >&2; exit 2; }
+
+RULES='
+arena arena_trim arena_inspect hostmem copy backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx buffer residency prefetch_thread step_wait policy_* torch_alloc trace access oracle
+ctx : buffer residency prefetch_thread step_wait policy_* copy hostmem torch_alloc trace access oracle
+'
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# defs: "object symbol" for every global symbol an object defines
+while read -r o; do
+  [ -n "$o" ] || continue
+  [ -f "$o" ] || { echo "check_layers: missing object $o" >&2; exit 2; }
+  n=$(basename "$o"); n=${n%.o}; n=${n%.c}
+  echo "$n $o" >> "$tmp/objs"
+  nm -g --defined-only "$o" | awk -v n="$n" 'NF >= 3 { print n, $3 }' >> "$tmp/defs"
+done < "$list"
+[ -s "$tmp/objs" ] || { echo "check_layers: empty object list" >&2; exit 2; }
+
+matches() { # matches NAME PATTERN...
+  name=$1; shift
+  for p in "$@"; do
+    case $p in
+      *\*) case $name in "${p%\*}"*) return 0 ;; esac ;;
+      *) [ "$name" = "$p" ] && return 0 ;;
+    esac
+  done
+  return 1
+}
+
+echo "$RULES" | while IFS= read -r rule; do
+  [ -n "$rule" ] || continue
+  lower=${rule%%:*}
+  upper=${rule#*:}
+  # shellcheck disable=SC2086
+  awk '{ print $1 }' "$tmp/defs" | sort -u | while read -r n; do
+    if matches "$n" $upper; then echo "$n"; fi
+  done > "$tmp/upper"
+  awk 'NR == FNR { up[$1] = 1; next } ($1 in up) { print $2, $1 }' "$tmp/upper" "$tmp/defs" > "$tmp/updefs"
+  while read -r n o; do
+    # shellcheck disable=SC2086
+    matches "$n" $lower || continue
+    nm -u "$o" | awk '{ print $NF }' | sort -u > "$tmp/undef"
+    awk -v n="$n" 'NR == FNR { u[$1] = 1; next } ($1 in u) { printf "layers: %s calls up into %s: %s\n", n, $2, $1 }' \
+      "$tmp/undef" "$tmp/updefs"
+  done < "$tmp/objs"
+done > "$tmp/report"
+
+if [ -s "$tmp/report" ]; then
+  cat "$tmp/report"
+  echo "layers: $(wc -l < "$tmp/report") call(s) up (see the rules in $0)"
+  exit 1
+fi
+echo "layers: $(wc -l < "$tmp/objs") objects, no call up"
