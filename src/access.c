@@ -1,5 +1,5 @@
 /*
- * Access traces: synthetic buffer-access patterns for offload policies (shared/traces/README.md).
+ * Access traces: synthetic buffer-access patterns for offload policies.
  * One record a line, fields separated by blanks, '#' starts a comment (anywhere on a line):
  *
  *     b <id> <bytes> <ro|rw>           create a buffer (its data starts in host memory)
@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "access.h"
 
 /* uthash must never exit(): a failed insert sets `hash_oom`, a local at each HASH_ADD. */
 #define HASH_NONFATAL_OOM 1

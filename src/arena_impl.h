@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "arena.h"
+#include "stats.h"
 
 #define ROUND 512u   /* allocation granularity and alignment */
 #define SL_BITS 4    /* 16 sub-bins per power of two: fit within 1/16 */

@@ -14,7 +14,8 @@ static _Thread_local int hash_oom;
 #define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
-#include "internal.h"
+#include "ctx.h"
+#include "stats.h"
 
 struct spw_live {
     void *ptr;

@@ -4,7 +4,9 @@
  */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "ctx.h"
+#include "engine.h"
+#include "stats.h"
 
 static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
     spw_backend_params bp = {

@@ -14,7 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "hostmem.h"
+#include "stats.h"
 
 #define HALIGN ((size_t)256)
 #define SLAB_MIN (64 * SPW_MiB)

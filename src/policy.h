@@ -30,7 +30,9 @@
 #ifndef SPW_POLICY_H
 #define SPW_POLICY_H
 
+#include "ctx.h"
 #include "internal.h"
+#include "stats.h"
 
 typedef struct spw_policy spw_policy; /* a policy's private state (one per context) */
 

@@ -17,7 +17,8 @@ static _Thread_local int hash_oom;
 #define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
-#include "internal.h"
+#include "ctx.h"
+#include "options.h"
 
 #define SPW_TORCH_MAX_DEVICES 64
 #define SPW_TORCH_CONF_MAX 4096

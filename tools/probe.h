@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "backend.h"
 #include "internal.h"
 
 /* ---- probe_detect.c: pure functions, no device, no I/O ---- */
