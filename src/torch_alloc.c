@@ -19,6 +19,7 @@ static _Thread_local int hash_oom;
 
 #include "ctx.h"
 #include "options.h"
+#include "spillway_torch.h"
 
 #define SPW_TORCH_MAX_DEVICES 64
 #define SPW_TORCH_CONF_MAX 4096
