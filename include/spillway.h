@@ -238,8 +238,8 @@ SPW_API size_t spw_buf_size(const spw_buf *buf);
 /* Make buf resident for work on `stream` and pin it there until spw_release. *devptr is valid
  * for work enqueued on stream after this call. Does not block the host on the transfer.
  * Managed residency: the transfer is cudaMemPrefetchAsync, and the CUDA driver may do the
- * migration's page work inside that call (2.5-3.6 ms per 128 MiB measured on an H200), so an
- * acquire or prefetch of a managed buffer can hold the calling thread that long. */
+ * migration's page work inside that call, so an acquire or prefetch of a managed buffer can
+ * hold the calling thread for a time that grows with the buffer's size. */
 SPW_API spw_status spw_acquire(spw_buf *buf, spw_stream stream, spw_access mode, void **devptr);
 /* End the use begun by spw_acquire: records the last use on stream, without blocking. With
  * prefetch_thread=on the library's worker may enqueue that record a little later (never before

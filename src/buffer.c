@@ -305,11 +305,11 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
          * read-mostly only while resident (replica_advise): a prefetch to the host does not
          * remove a read-mostly replica, and advice is not stream-ordered, so eviction drops
          * the replica by advice once its last use is complete (spw__res_collapse_poll,
-         * residency.c). Measured on the H200: read-mostly set for a buffer's whole life kept
-         * "evicted" layers on the device and the budget held on paper only. */
+         * residency.c). Read-mostly set for a buffer's whole life would keep "evicted"
+         * buffers on the device, and the budget would hold on paper only. */
         /* Read-only: preferred location the host, for good (replicas then collapse onto the
-         * host copy without a transfer; measured on the H200, prefetches to the device run at
-         * 44 GB/s this way against 25 GB/s with the preference flipped to the device). */
+         * host copy without a transfer, and prefetches to the device run faster this way than
+         * with the preference flipped to the device: bench/RESULTS.md). */
         b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, (flags & SPW_BUF_READ_ONLY) ?
                                               SPW_ADVISE_PREFERRED_HOST : SPW_ADVISE_PREFERRED_DEVICE) == SPW_OK;
     } else if ((st = spw__hostpool_alloc(ctx->engine->hp, bytes, &b->host, &b->hblock))) {
@@ -435,7 +435,7 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
     if (b->xfer && b->dev_touched && b->dev_s != s) {
         /* Complete? Known without asking when the worker saw it complete; a transfer the worker
          * watches and has not seen complete, or enqueued by this very call, is taken as running
-         * (asking costs a driver call: 4-5 us of a hook's host time on the H200, in situ). */
+         * (asking costs a driver call, a large part of a framework hook's host time). */
         spw_status q = b->dev_rec && b->dev_done          ? SPW_OK
                        : !b->dev_rec || fresh || b->watched ? SPW_ERR_NOT_READY
                                                             : OPS(ctx)->event_query(BE(ctx), b->ev_dev);

@@ -61,8 +61,9 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* A short spin before blocking: the prefetch worker's questions hold the lock for about a
- * microsecond, and blocking would make both sides take system calls (the wait, the wake). */
+/* A short spin before blocking: the prefetch worker's questions hold the lock briefly (a few
+ * list and flag checks), and blocking would make both sides take system calls (the wait, the
+ * wake). */
 void spw__ctx_lock(spw_ctx *ctx) {
     if (pthread_mutex_trylock(&ctx->lock) == 0) return;
     uint64_t t0 = spw__now_ns();

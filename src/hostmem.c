@@ -1,7 +1,7 @@
 /*
  * The pinned host pool: host copies of buffers come from large slabs of pinned memory (backend
- * host_alloc), never one host_alloc per buffer, because pinning is slow (cudaHostAlloc of 1 GiB
- * takes over half a second). Slabs grow geometrically (64 MiB, doubling, at most 1 GiB, or the
+ * host_alloc), never one host_alloc per buffer, because pinning is slow (its cost grows with the
+ * bytes pinned: bench/RESULTS.md). Slabs grow geometrically (64 MiB, doubling, at most 1 GiB, or the
  * request when larger) and are sub-allocated best-fit with splitting and coalescing. The arena's
  * code is not reused: its blocks live in device address space with VMM holes, stream pools and
  * the device budget, none of which applies here; host blocks need no stream order because the

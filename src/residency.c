@@ -113,7 +113,7 @@ static void collapse_add(spw_ctx *ctx, spw_buf *b) {
 static void collapse_now(spw_ctx *ctx, spw_buf *b) {
     if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_UNSET_READ_MOSTLY)) return;
     /* set again at once (no data moves): the next acquire then needs no advice, which would
-     * otherwise wait behind the migrations in flight (measured: 2.5 ms gaps per layer) */
+     * otherwise wait behind the migrations in flight, leaving the stream idle between buffers */
     b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
     b->replica = false;
     spw__res_collapse_unlink(ctx->engine, b);
