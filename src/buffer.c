@@ -99,15 +99,11 @@ static size_t physical_ram(void) {
     return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 16 * SPW_GiB;
 }
 
-spw_status spw__engine_create(spw_ctx *ctx) {
+spw_status spw__engine_create(spw_ctx *ctx, const spw_policy_ops *pops) {
     struct spw_engine *e = calloc(1, sizeof *e);
     if (!e) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "offload engine: out of host memory");
     spw_status st;
-    e->pops = spw__policy_find((int)ctx->cfg.policy);
-    if (!e->pops) {
-        free(e);
-        return spw__error(SPW_ERR_CONFIG, "option 'policy': value %d has no implementation", (int)ctx->cfg.policy);
-    }
+    e->pops = pops;
     size_t hb = spw__size_resolve(&ctx->cfg.host_budget, physical_ram());
     if ((st = spw__hostpool_create(ctx->backend, &ctx->stats.host_held, hb, &e->hp))) goto fail;
     if ((st = spw__tsink_create(ctx->cfg.trace, &e->sink))) goto fail;

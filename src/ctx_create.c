@@ -8,6 +8,15 @@
 #include "engine.h"
 #include "stats.h"
 
+/* The policy the engine is handed, by option value (NULL: none). */
+static const spw_policy_ops *policy_ops(spw_policy_kind kind) {
+    switch (kind) {
+    case SPW_POLICY_LRU: return &spw__policy_lru;
+    case SPW_POLICY_PLAN: return &spw__policy_plan;
+    }
+    return NULL;
+}
+
 static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
     spw_backend_params bp = {
         .device = cfg->device,
@@ -95,7 +104,13 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     ap.reserve_bytes = reserve;
     ap.min_segment = 2 * SPW_MiB;
     if ((st = spw__arena_create(&ap, &ctx->large))) goto fail;
-    if ((st = spw__engine_create(ctx))) goto fail;
+    const spw_policy_ops *pops = policy_ops(ctx->cfg.policy);
+    if (!pops) {
+        st = spw__error(SPW_ERR_CONFIG, "option 'policy': value %d has no implementation",
+                        (int)ctx->cfg.policy);
+        goto fail;
+    }
+    if ((st = spw__engine_create(ctx, pops))) goto fail;
     *out = ctx;
     return SPW_OK;
 fail:

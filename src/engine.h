@@ -49,16 +49,17 @@
 #include "stats.h"
 
 /* ---- the engine's entry points for the context (ctx_create.c) ---- */
-/* Create / destroy the engine of a context. create makes no backend call (copy streams are
- * created with the first buffer) and registers spw__engine_alloc_evicting as the context's
- * pressure callback; destroy releases every live buffer (waiting for its work),
- * then the copy streams, the host pool and the trace. Called without the lock. */
-spw_status spw__engine_create(struct spw_ctx *ctx);
+/* Create / destroy the engine of a context. create runs policy `pops` (the caller picks it),
+ * makes no backend call (copy streams are created with the first buffer) and registers
+ * spw__engine_alloc_evicting as the context's pressure callback; destroy releases every live
+ * buffer (waiting for its work), then the copy streams, the host pool and the trace. Called
+ * without the lock. */
+spw_status spw__engine_create(struct spw_ctx *ctx, const spw_policy_ops *pops);
 void spw__engine_destroy(struct spw_ctx *ctx);
-/* The pressure callback (spw_ctx_pressure_fn): evict unpinned buffers through the policy and retry the arena
- * until the request fits. Lock held. Returns SPW_OK, or SPW_ERR_OUT_OF_MEMORY without a
- * message (the caller writes the OOM report), or another error from an eviction. With
- * on_exhaust=fail it returns SPW_ERR_OUT_OF_MEMORY at once. */
+/* The pressure callback (spw_ctx_pressure_fn): evict unpinned buffers through the policy and
+ * retry the arena until the request fits. Lock held. Returns SPW_OK, or SPW_ERR_OUT_OF_MEMORY
+ * without a message (the caller writes the OOM report), or another error from an eviction.
+ * With on_exhaust=fail it returns SPW_ERR_OUT_OF_MEMORY at once. */
 spw_status spw__engine_alloc_evicting(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
                                       spw_block **out);
 /* Fold counters kept outside the lock (stall time) into ctx->stats. Lock held. */

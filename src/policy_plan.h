@@ -50,8 +50,9 @@ extern _Thread_local int spw__plan_hash_oom;
  * length) starts the trials again, and their best replaces the pipeline in force only if it beats
  * that pipeline's own new time by RETIME_MARGIN (trial steps that wait are noisier than steps that
  * run ahead: pipelines whose trial times lie close together can swap places between a trial and
- * the steady state, so a narrow winner need not be faster than the incumbent). On a caller that waits for every step anyway
- * the waits cost nothing; on one that runs ahead, two host waits in RECHECK_EVERY steps. */
+ * the steady state, so a narrow winner need not be faster than the incumbent). On a caller that
+ * waits for every step anyway the waits cost nothing; on one that runs ahead, two host waits in
+ * RECHECK_EVERY steps. */
 #define RECHECK_EVERY 32
 #define RETUNE_RATIO 1.25
 #define RETIME_MARGIN 0.9

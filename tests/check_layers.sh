@@ -4,15 +4,20 @@
 #
 # For each rule "LOWER : UPPER", no object of LOWER may reference a symbol that an object of
 # UPPER defines. Names are object basenames without ".c.o"/".o"; a trailing * matches a prefix.
-# An upper layer reaches a lower one only through calls down; a lower layer that must reach up
-# (memory pressure, the prefetch worker's watch) calls a callback the upper one registered.
+# The layers, from the bottom: error, options, stats and the backends; the arena and the host
+# pool (handed their counters and budget); the context's device memory (ctx.c); the offload
+# engine (buffer.c, residency.c, copy.c, ...), handed its policy; the policies; at the top the
+# composition (ctx_create.c), the PyTorch entry points, and the tools' code (trace, access,
+# oracle: spillway_tools). A lower layer that must reach up (memory pressure) calls a callback
+# the upper one registered; the engine reaches its policy through the table it is handed.
 set -eu
 list=$1
 [ -s "$list" ] || { echo "check_layers: no object list at $list" >&2; exit 2; }
 
 RULES='
-arena arena_trim arena_inspect hostmem copy backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx buffer residency prefetch_thread step_wait policy_* torch_alloc trace access oracle
-ctx : buffer residency prefetch_thread step_wait policy_* copy hostmem torch_alloc trace access oracle
+arena arena_trim arena_inspect hostmem copy backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx ctx_create buffer residency prefetch_thread step_wait policy_* torch_alloc trace access oracle
+ctx : ctx_create buffer residency copy hostmem prefetch_thread step_wait trace_events policy_* torch_alloc trace access oracle
+buffer residency copy hostmem prefetch_thread step_wait trace_events : ctx_create policy_* torch_alloc trace access oracle
 '
 
 tmp=$(mktemp -d)
