@@ -160,7 +160,7 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
         h->seg = s;
         hole_insert(a, h);
         a->segs = s;
-        spw__stat_add(&a->p.acct.stats->segments, 1);
+        spw__stat_add(a->p.acct.segments, 1);
     }
     *out = a;
     return SPW_OK;
@@ -271,7 +271,7 @@ static spw_status adopt_cross_stream(spw_arena *a, spool *owner, spool *p) {
     if (st) return st;
     st = a->be->ops->stream_wait(a->be, p->stream, owner->ev);
     if (st) return st;
-    spw__stat_event(&a->p.acct.stats->cross_stream_waits);
+    spw__stat_event(a->p.acct.cross_stream_waits);
     return SPW_OK;
 }
 
@@ -417,7 +417,7 @@ static spw_status grow_segment(spw_arena *a, spool *p, size_t n, spw_block **out
     b->size = size;
     b->seg = s;
     account_held(a, (int64_t)size);
-    spw__stat_add(&a->p.acct.stats->segments, 1);
+    spw__stat_add(a->p.acct.segments, 1);
     carve(a, b, n, p);
     *out = b;
     return SPW_OK;
@@ -454,9 +454,9 @@ spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s) {
 
 /* Would mapping `more` bytes leave more cached memory than the fragmentation slack allows? */
 static bool over_slack(spw_arena *a, size_t n, size_t more) {
-    const spw_stats *st = a->p.acct.stats;
-    double target = (double)(st->live.current + (int64_t)n) * (1.0 + a->p.frag_slack);
-    return (double)(st->held.current + (int64_t)more) > target + (double)a->p.page;
+    const spw_arena_acct *ac = &a->p.acct;
+    double target = (double)(ac->live->current + (int64_t)n) * (1.0 + a->p.frag_slack);
+    return (double)(ac->held->current + (int64_t)more) > target + (double)a->p.page;
 }
 
 spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {

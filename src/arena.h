@@ -12,13 +12,18 @@
 typedef struct spw_arena spw_arena;
 typedef struct spw_block spw_block;
 
-/* What an arena charges and what bounds it, both owned by the caller and outliving the arena.
- * The arena updates the counters held, cached, segments, backend_allocs, backend_frees,
- * cross_stream_waits and trim_syncs, reads live (fragmentation slack), and never lets
- * held.current pass *budget. Arenas handed the same account share its budget. Guarded by the
- * caller's lock, like every arena call. */
+/* What an arena charges and what bounds it: counters and a budget, owned by the caller and
+ * outliving the arena. The arena never lets held->current pass *budget; arenas handed the same
+ * account share its budget. Guarded by the caller's lock, like every arena call. */
 typedef struct spw_arena_acct {
-    spw_stats *stats;
+    spw_counter *held;               /* device bytes mapped or allocated from the backend */
+    spw_counter *cached;             /* held bytes not in live blocks */
+    spw_counter *segments;           /* segments held from the backend (VMM: the reservation) */
+    spw_counter *backend_allocs;     /* calls that obtained device memory from the backend */
+    spw_counter *backend_frees;      /* calls that returned device memory to the backend */
+    spw_counter *cross_stream_waits; /* reuses of a block on another stream, ordered by an event */
+    spw_counter *trim_syncs;         /* host waits for the device before returning cached memory */
+    const spw_counter *live;         /* read only: bytes in live blocks (fragmentation slack) */
     const size_t *budget;
 } spw_arena_acct;
 

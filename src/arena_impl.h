@@ -133,17 +133,17 @@ static inline void hole_remove(spw_arena *a, spw_block *b) {
 /* Whether `more` bytes can be held without passing the budget of the account (shared by every
  * arena charging the same counters). */
 static inline bool can_hold(const spw_arena *a, size_t more) {
-    return (uint64_t)a->p.acct.stats->held.current + more <= *a->p.acct.budget;
+    return (uint64_t)a->p.acct.held->current + more <= *a->p.acct.budget;
 }
 
 /* Bytes mapped or allocated from the backend (+) or returned to it (-): held and cached in the
  * account's counters. */
 static inline void account_held(spw_arena *a, int64_t delta) {
     a->held = (size_t)((int64_t)a->held + delta);
-    spw__stat_add(&a->p.acct.stats->held, delta);
-    spw__stat_add(&a->p.acct.stats->cached, delta);
-    if (delta > 0) spw__stat_event(&a->p.acct.stats->backend_allocs);
-    else spw__stat_event(&a->p.acct.stats->backend_frees);
+    spw__stat_add(a->p.acct.held, delta);
+    spw__stat_add(a->p.acct.cached, delta);
+    if (delta > 0) spw__stat_event(a->p.acct.backend_allocs);
+    else spw__stat_event(a->p.acct.backend_frees);
 }
 
 /* Split b so that it keeps its first n bytes; the rest goes into t (or a new block when t is

@@ -89,7 +89,15 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
     size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), large_page);
     spw_arena_params ap = {.backend = ctx->backend,
-                           .acct = {.stats = &ctx->stats, .budget = &ctx->budget},
+                           .acct = {.held = &ctx->stats.held,
+                                    .cached = &ctx->stats.cached,
+                                    .segments = &ctx->stats.segments,
+                                    .backend_allocs = &ctx->stats.backend_allocs,
+                                    .backend_frees = &ctx->stats.backend_frees,
+                                    .cross_stream_waits = &ctx->stats.cross_stream_waits,
+                                    .trim_syncs = &ctx->stats.trim_syncs,
+                                    .live = &ctx->stats.live,
+                                    .budget = &ctx->budget},
                            .grow_ahead = ctx->cfg.grow_ahead,
                            .frag_slack = ctx->cfg.frag_slack,
                            .page = page,

@@ -1,7 +1,8 @@
 /*
  * What every file of the library shares: size and arithmetic macros, error reporting (error.c)
- * and the clock. Each module declares the rest in its own header (options.h, arena.h, ctx.h,
- * stats.h, engine.h, policy.h, backend.h, and for the tools trace.h, access.h, oracle.h).
+ * and the clock. Each module declares the rest in its own header (options.h, backend.h,
+ * arena.h, hostmem.h, ctx.h, stats.h, engine.h, policy.h, and for the tools trace.h, access.h,
+ * oracle.h).
  * Nothing here is public API; tests link the static library and may use these.
  */
 #ifndef SPW_INTERNAL_H
