@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "access.h"
 
 /* uthash must never exit(): a failed insert sets `hash_oom`, a local at each HASH_ADD. */
 #define HASH_NONFATAL_OOM 1

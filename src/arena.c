@@ -134,7 +134,6 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
     if (!a) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
     a->p = *p;
     a->be = p->backend;
-    a->ctx = p->ctx;
     if (!a->p.page) a->p.page = 2 * SPW_MiB;
     if (p->vmm) {
         size_t reserve = SPW_ALIGN_UP(p->reserve_bytes, a->p.page);
@@ -161,7 +160,7 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
         h->seg = s;
         hole_insert(a, h);
         a->segs = s;
-        spw__stat_add(&a->ctx->stats.segments, 1);
+        spw__stat_add(a->p.acct.segments, 1);
     }
     *out = a;
     return SPW_OK;
@@ -272,7 +271,7 @@ static spw_status adopt_cross_stream(spw_arena *a, spool *owner, spool *p) {
     if (st) return st;
     st = a->be->ops->stream_wait(a->be, p->stream, owner->ev);
     if (st) return st;
-    spw__stat_event(&a->ctx->stats.cross_stream_waits);
+    spw__stat_event(a->p.acct.cross_stream_waits);
     return SPW_OK;
 }
 
@@ -393,7 +392,7 @@ static spw_status grow_vmm(spw_arena *a, spool *p, size_t n, const placement *pl
 
 static spw_status grow_segment(spw_arena *a, spool *p, size_t n, spw_block **out) {
     size_t size = segment_size(a, n);
-    if (!spw__ctx_can_hold(a->ctx, size)) return SPW_ERR_OUT_OF_MEMORY;
+    if (!can_hold(a, size)) return SPW_ERR_OUT_OF_MEMORY;
     seg *s = calloc(1, sizeof *s);
     spw_block *b = block_new(a);
     if (!s || !b) {
@@ -418,7 +417,7 @@ static spw_status grow_segment(spw_arena *a, spool *p, size_t n, spw_block **out
     b->size = size;
     b->seg = s;
     account_held(a, (int64_t)size);
-    spw__stat_add(&a->ctx->stats.segments, 1);
+    spw__stat_add(a->p.acct.segments, 1);
     carve(a, b, n, p);
     *out = b;
     return SPW_OK;
@@ -429,13 +428,13 @@ static spw_status grow(spw_arena *a, spool *p, size_t n, spw_block **out) {
     if (!a->p.vmm) return grow_segment(a, p, n, out);
     placement pl;
     if (!place_vmm(a, p, n, &pl)) return SPW_ERR_OUT_OF_MEMORY; /* address space exhausted */
-    if (!spw__ctx_can_hold(a->ctx, pl.map_bytes)) return SPW_ERR_OUT_OF_MEMORY;
+    if (!can_hold(a, pl.map_bytes)) return SPW_ERR_OUT_OF_MEMORY;
     /* Map a little ahead: a growing working set then costs fewer backend calls. The extra is
      * bounded by a fraction of what is held, so it adds at most that fraction to the peak. */
-    size_t ahead = SPW_ALIGN_DOWN((size_t)((double)a->held * a->ctx->cfg.grow_ahead), a->p.page);
+    size_t ahead = SPW_ALIGN_DOWN((size_t)((double)a->held * a->p.grow_ahead), a->p.page);
     size_t room = pl.hole->size - pl.map_bytes;
     ahead = SPW_MIN(ahead, room);
-    if (ahead && spw__ctx_can_hold(a->ctx, pl.map_bytes + ahead)) pl.map_bytes += ahead;
+    if (ahead && can_hold(a, pl.map_bytes + ahead)) pl.map_bytes += ahead;
     return grow_vmm(a, p, n, &pl, out);
 }
 
@@ -445,7 +444,7 @@ spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s) {
     spool *p = pool_get(a, s, true);
     if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
     placement pl;
-    if (!place_vmm(a, p, n, &pl) || !spw__ctx_can_hold(a->ctx, pl.map_bytes)) return SPW_OK;
+    if (!place_vmm(a, p, n, &pl) || !can_hold(a, pl.map_bytes)) return SPW_OK;
     spw_block *b;
     spw_status st = grow_vmm(a, p, n, &pl, &b);
     if (st) return st;
@@ -455,9 +454,9 @@ spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s) {
 
 /* Would mapping `more` bytes leave more cached memory than the fragmentation slack allows? */
 static bool over_slack(spw_arena *a, size_t n, size_t more) {
-    const spw_stats *st = &a->ctx->stats;
-    double target = (double)(st->live.current + (int64_t)n) * (1.0 + a->ctx->cfg.frag_slack);
-    return (double)(st->held.current + (int64_t)more) > target + (double)a->p.page;
+    const spw_arena_acct *ac = &a->p.acct;
+    double target = (double)(ac->live->current + (int64_t)n) * (1.0 + a->p.frag_slack);
+    return (double)(ac->held->current + (int64_t)more) > target + (double)a->p.page;
 }
 
 spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out) {
@@ -498,9 +497,9 @@ spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block 
  * Best effort: nothing changes when no page can be had. */
 static void extend_right(spw_arena *a, spw_block *b, size_t n) {
     spw_block *h = b->next;
-    if (!h || h->state != B_HOLE || !spw__ctx_can_hold(a->ctx, a->p.page)) return;
+    if (!h || h->state != B_HOLE || !can_hold(a, a->p.page)) return;
     size_t ext = SPW_ALIGN_DOWN(SPW_MIN(h->size, n), a->p.page);
-    while (ext && !spw__ctx_can_hold(a->ctx, ext)) ext -= a->p.page;
+    while (ext && !can_hold(a, ext)) ext -= a->p.page;
     if (!ext) return;
     if (a->be->ops->map(a->be, (void *)h->addr, ext)) {
         spw__error_clear();

@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "arena.h"
+#include "stats.h"
 
 #define ROUND 512u   /* allocation granularity and alignment */
 #define SL_BITS 4    /* 16 sub-bins per power of two: fit within 1/16 */
@@ -58,7 +59,6 @@ typedef struct seg {
 struct spw_arena {
     spw_arena_params p;
     spw_backend *be;
-    struct spw_ctx *ctx;
     seg *segs;          /* VMM: exactly one (the reservation) */
     spw_block *holes;   /* VMM: HOLE blocks */
     spool **pools;
@@ -130,14 +130,20 @@ static inline void hole_remove(spw_arena *a, spw_block *b) {
     b->fprev = b->fnext = NULL;
 }
 
+/* Whether `more` bytes can be held without passing the budget of the account (shared by every
+ * arena charging the same counters). */
+static inline bool can_hold(const spw_arena *a, size_t more) {
+    return (uint64_t)a->p.acct.held->current + more <= *a->p.acct.budget;
+}
+
 /* Bytes mapped or allocated from the backend (+) or returned to it (-): held and cached in the
- * context's statistics. */
+ * account's counters. */
 static inline void account_held(spw_arena *a, int64_t delta) {
     a->held = (size_t)((int64_t)a->held + delta);
-    spw__stat_add(&a->ctx->stats.held, delta);
-    spw__stat_add(&a->ctx->stats.cached, delta);
-    if (delta > 0) spw__stat_event(&a->ctx->stats.backend_allocs);
-    else spw__stat_event(&a->ctx->stats.backend_frees);
+    spw__stat_add(a->p.acct.held, delta);
+    spw__stat_add(a->p.acct.cached, delta);
+    if (delta > 0) spw__stat_event(a->p.acct.backend_allocs);
+    else spw__stat_event(a->p.acct.backend_frees);
 }
 
 /* Split b so that it keeps its first n bytes; the rest goes into t (or a new block when t is

@@ -100,7 +100,7 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
     /* queued work may still touch free blocks: wait for every stream of this arena once */
     for (size_t k = 0; k < a->npools; k++)
         if ((st = sync_pool(a, a->pools[k]))) return st;
-    spw__stat_event(&a->ctx->stats.trim_syncs);
+    spw__stat_event(a->p.acct.trim_syncs);
     merge_idle_pools(a);
     /* candidates: FREE blocks (VMM) or wholly free segments, largest gain first */
     size_t n = 0, cap = 64;
@@ -132,7 +132,7 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
             else a->segs = s->next;
             if (s->next) s->next->prev = s->prev;
             account_held(a, -(int64_t)s->size);
-            spw__stat_add(&a->ctx->stats.segments, -1);
+            spw__stat_add(a->p.acct.segments, -1);
             got += s->size;
             free(b);
             free(s);

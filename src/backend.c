@@ -1,4 +1,5 @@
 /* Backend-independent pieces of the seam: call names, and the cuda stubs of a build without CUDA. */
+#include "backend.h"
 #include "internal.h"
 
 static const char *const call_names[SPW_CALL_COUNT_] = {

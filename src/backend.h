@@ -97,8 +97,8 @@ typedef struct spw_backend_ops {
      * map creates one physical allocation per page, maps it at va and grants the device
      * read/write access; unmap releases any page-aligned subrange of mapped memory (parts of one
      * map or several). Larger pages mean fewer physical allocations under a buffer, and a copy
-     * is split at each one: on the H200, enqueuing a 416 MiB copy takes 84 us into 2 MiB pages,
-     * 16 us into 32 MiB pages. Callers finish all device work on a range before unmapping it.
+     * is split at each one, so that enqueuing a copy costs host time per page under it.
+     * Callers finish all device work on a range before unmapping it.
      * NULL when unsupported (device_info.vmm_supported == 0). */
     spw_status (*va_reserve)(spw_backend *b, size_t bytes, size_t page, void **va);
     spw_status (*va_release)(spw_backend *b, void *va, size_t bytes);

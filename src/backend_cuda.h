@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 #include <pthread.h>
 
+#include "backend.h"
 #include "internal.h"
 
 /* The ABI version of the driver entry points requested; the PFN_*_v* typedefs below match it. */

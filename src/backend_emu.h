@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "backend.h"
 #include "internal.h"
 
 /* uthash must not exit on allocation failure: functions that add declare `int hash_oom_ = 0`. */

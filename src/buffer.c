@@ -99,20 +99,17 @@ static size_t physical_ram(void) {
     return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 16 * SPW_GiB;
 }
 
-spw_status spw__engine_create(spw_ctx *ctx) {
+spw_status spw__engine_create(spw_ctx *ctx, const spw_policy_ops *pops) {
     struct spw_engine *e = calloc(1, sizeof *e);
     if (!e) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "offload engine: out of host memory");
     spw_status st;
-    e->pops = spw__policy_find((int)ctx->cfg.policy);
-    if (!e->pops) {
-        free(e);
-        return spw__error(SPW_ERR_CONFIG, "option 'policy': value %d has no implementation", (int)ctx->cfg.policy);
-    }
+    e->pops = pops;
     size_t hb = spw__size_resolve(&ctx->cfg.host_budget, physical_ram());
-    if ((st = spw__hostpool_create(ctx, hb, &e->hp))) goto fail;
+    if ((st = spw__hostpool_create(ctx->backend, &ctx->stats.host_held, hb, &e->hp))) goto fail;
     if ((st = spw__tsink_create(ctx->cfg.trace, &e->sink))) goto fail;
     if ((st = e->pops->create(ctx, &e->pol))) goto fail;
     ctx->engine = e;
+    ctx->pressure = spw__engine_alloc_evicting;
     return SPW_OK;
 fail:
     spw__tsink_put(e->sink);
@@ -196,6 +193,7 @@ void spw__engine_destroy(spw_ctx *ctx) {
     }
     spw__tsink_put(e->sink);
     ctx->engine = NULL;
+    ctx->pressure = NULL;
     pthread_mutex_unlock(&ctx->lock);
     free(e);
 }
@@ -303,11 +301,11 @@ SPW_API spw_status spw_buf_create(spw_ctx *ctx, size_t bytes, unsigned flags, sp
          * read-mostly only while resident (replica_advise): a prefetch to the host does not
          * remove a read-mostly replica, and advice is not stream-ordered, so eviction drops
          * the replica by advice once its last use is complete (spw__res_collapse_poll,
-         * residency.c). Measured on the H200: read-mostly set for a buffer's whole life kept
-         * "evicted" layers on the device and the budget held on paper only. */
+         * residency.c). Read-mostly set for a buffer's whole life would keep "evicted"
+         * buffers on the device, and the budget would hold on paper only. */
         /* Read-only: preferred location the host, for good (replicas then collapse onto the
-         * host copy without a transfer; measured on the H200, prefetches to the device run at
-         * 44 GB/s this way against 25 GB/s with the preference flipped to the device). */
+         * host copy without a transfer, and prefetches to the device run faster this way than
+         * with the preference flipped to the device: bench/RESULTS.md). */
         b->adv_dev = OPS(ctx)->managed_advise(BE(ctx), b->host, bytes, (flags & SPW_BUF_READ_ONLY) ?
                                               SPW_ADVISE_PREFERRED_HOST : SPW_ADVISE_PREFERRED_DEVICE) == SPW_OK;
     } else if ((st = spw__hostpool_alloc(ctx->engine->hp, bytes, &b->host, &b->hblock))) {
@@ -440,7 +438,7 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
     if (b->xfer && b->dev_touched && b->dev_s != s) {
         /* Complete? Known without asking when the worker saw it complete; a transfer the worker
          * watches and has not seen complete, or enqueued by this very call, is taken as running
-         * (asking costs a driver call: 4-5 us of a hook's host time on the H200, in situ). */
+         * (asking costs a driver call, a large part of a framework hook's host time). */
         spw_status q = b->dev_rec && b->dev_done          ? SPW_OK
                        : !b->dev_rec || fresh || b->watched ? SPW_ERR_NOT_READY
                                                             : OPS(ctx)->event_query(BE(ctx), b->ev_dev);
@@ -680,8 +678,12 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     b->replica = false; /* the host write invalidated any read-mostly replica's pages */
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
-        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) spw__res_drop_device(ctx, b);
-        else b->dv = true;
+        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) {
+            spw__res_drop_device(ctx, b);
+        } else {
+            b->dv = true;
+            spw__pf_watch(ctx, b);
+        }
     }
     spw__error_clear();
 out:

@@ -192,7 +192,6 @@ static spw_status upload_done(spw_ctx *ctx, spw_buf *b, size_t n) {
     b->host_rec = false;
     b->host_in_dev = true;
     b->xfer = true;
-    spw__pf_watch(ctx, b);
     spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)n);
     return SPW_OK;
 }

@@ -1,7 +1,9 @@
 /*
- * The context: one device, one backend, one budget, two arenas (small and large requests), the
- * pointer map, and the public allocator entry points. One mutex guards all of it; the cached
- * allocate/free path holds it briefly and makes no backend call.
+ * The context's device memory: one budget, two arenas (small and large requests) charging one
+ * account, the pointer map, and the public allocator entry points. One mutex guards all of it;
+ * the cached allocate/free path holds it briefly and makes no backend call. Creation, teardown
+ * and reports are in ctx_create.c. Nothing here calls the offload engine: at the budget,
+ * spw_malloc calls the pressure callback the engine registered.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +14,8 @@ static _Thread_local int hash_oom;
 #define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
-#include "internal.h"
+#include "ctx.h"
+#include "stats.h"
 
 struct spw_live {
     void *ptr;
@@ -37,16 +40,17 @@ static void live_put(spw_ctx *ctx, spw_live *e) {
     ctx->live_spare = e;
 }
 
-void spw__stat_add(spw_counter *c, int64_t delta) {
-    c->current += delta;
-    if (c->current > c->peak) c->peak = c->current;
-    if (delta > 0) c->total += delta;
-}
-
-void spw__stat_event(spw_counter *c) {
-    c->current++;
-    c->total++;
-    c->peak = c->current;
+void spw__ctx_live_clear(spw_ctx *ctx) {
+    spw_live *e, *tmp;
+    HASH_ITER(hh, ctx->live_map, e, tmp) {
+        HASH_DEL(ctx->live_map, e);
+        free(e);
+    }
+    while (ctx->live_spare) {
+        spw_live *n = (spw_live *)ctx->live_spare->ptr;
+        free(ctx->live_spare);
+        ctx->live_spare = n;
+    }
 }
 
 static inline void cpu_relax(void) {
@@ -57,8 +61,9 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* A short spin before blocking: the prefetch worker's questions hold the lock for about a
- * microsecond, and blocking would make both sides take system calls (the wait, the wake). */
+/* A short spin before blocking: the prefetch worker's questions hold the lock briefly (a few
+ * list and flag checks), and blocking would make both sides take system calls (the wait, the
+ * wake). */
 void spw__ctx_lock(spw_ctx *ctx) {
     if (pthread_mutex_trylock(&ctx->lock) == 0) return;
     uint64_t t0 = spw__now_ns();
@@ -74,122 +79,6 @@ held:
 
 bool spw__ctx_can_hold(const spw_ctx *ctx, size_t more) {
     return (uint64_t)ctx->stats.held.current + more <= ctx->budget;
-}
-
-static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
-    spw_backend_params bp = {
-        .device = cfg->device,
-        .emu_capacity = cfg->emu_capacity,
-        .emu_granularity = cfg->vmm_page,
-        .emu_vmm = 1,
-        .emu_managed = 1,
-        .emu_h2d_gbps = cfg->emu_link_gbps,
-    };
-    switch (cfg->backend) {
-    case SPW_BACKEND_CUDA:
-        return spw__backend_cuda_create(&bp, out);
-    case SPW_BACKEND_EMU:
-        return spw__backend_emu_create(&bp, out);
-    case SPW_BACKEND_AUTO:
-        if (spw__backend_cuda_available()) return spw__backend_cuda_create(&bp, out);
-        return spw__backend_emu_create(&bp, out);
-    }
-    return spw__error(SPW_ERR_CONFIG, "option 'backend': bad value");
-}
-
-SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
-    if (!out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_ctx_create: out is NULL");
-    spw_config *defaults = NULL;
-    spw_status st;
-    if (!cfg_in) {
-        if ((st = spw_config_create(&defaults))) return st;
-        if ((st = spw_config_from_env(defaults))) {
-            spw_config_destroy(defaults);
-            return st;
-        }
-        cfg_in = defaults;
-    }
-    spw_ctx *ctx = calloc(1, sizeof *ctx);
-    if (!ctx) {
-        spw_config_destroy(defaults);
-        return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "spw_ctx_create: out of host memory");
-    }
-    ctx->cfg = *cfg_in;
-    spw_config_destroy(defaults);
-    pthread_mutex_init(&ctx->lock, NULL);
-
-    if ((st = pick_backend(&ctx->cfg, &ctx->backend))) goto fail;
-    if ((st = ctx->backend->ops->device_info(ctx->backend, &ctx->dev))) goto fail;
-    ctx->budget = spw__size_resolve(&ctx->cfg.budget, ctx->dev.total_bytes);
-    if (ctx->budget == 0) {
-        st = spw__error(SPW_ERR_CONFIG, "option 'budget': resolves to 0 bytes on a device of %zu B",
-                        ctx->dev.total_bytes);
-        goto fail;
-    }
-    ctx->stats.budget = ctx->budget;
-    ctx->budget_max = ctx->budget;
-
-    bool vmm = ctx->dev.vmm_supported && ctx->backend->ops->map && ctx->cfg.vmm != SPW_TRI_OFF;
-    if (ctx->cfg.vmm == SPW_TRI_ON && !vmm) {
-        st = spw__error(SPW_ERR_UNSUPPORTED, "option 'vmm=on': the %s device does not support virtual "
-                                             "memory management (use vmm=auto or vmm=off)",
-                        ctx->backend->ops->name);
-        goto fail;
-    }
-    size_t page = vmm ? SPW_MAX(ctx->dev.vmm_granularity, (size_t)2 * SPW_MiB) : 2 * SPW_MiB;
-    if (ctx->cfg.vmm_large_page > SPW_GiB) {
-        st = spw__error(SPW_ERR_CONFIG, "option 'vmm_large_page': %zu B is above the limit of 1 GiB",
-                        ctx->cfg.vmm_large_page);
-        goto fail;
-    }
-    /* Large buffers take large pages: a copy is split at every physical allocation under it */
-    size_t large_page = page;
-    while (vmm && large_page < ctx->cfg.vmm_large_page) large_page *= 2;
-    /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
-    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), large_page);
-    spw_arena_params ap = {.backend = ctx->backend, .ctx = ctx, .page = page, .vmm = vmm};
-    ap.name = "small";
-    ap.reserve_bytes = SPW_ALIGN_UP(SPW_MIN(ctx->budget, 64 * SPW_GiB) + page, page);
-    ap.min_segment = 2 * SPW_MiB;
-    if ((st = spw__arena_create(&ap, &ctx->small))) goto fail;
-    ap.name = "large";
-    ap.whole = !vmm;
-    ap.page = large_page;
-    ap.reserve_bytes = reserve;
-    ap.min_segment = 2 * SPW_MiB;
-    if ((st = spw__arena_create(&ap, &ctx->large))) goto fail;
-    if ((st = spw__engine_create(ctx))) goto fail;
-    *out = ctx;
-    return SPW_OK;
-fail:
-    spw__arena_destroy(ctx->large);
-    spw__arena_destroy(ctx->small);
-    if (ctx->backend) ctx->backend->ops->destroy(ctx->backend);
-    pthread_mutex_destroy(&ctx->lock);
-    free(ctx);
-    return st;
-}
-
-SPW_API spw_status spw_ctx_destroy(spw_ctx *ctx) {
-    if (!ctx) return SPW_OK;
-    spw_live *e, *tmp;
-    HASH_ITER(hh, ctx->live_map, e, tmp) {
-        HASH_DEL(ctx->live_map, e);
-        free(e);
-    }
-    while (ctx->live_spare) {
-        spw_live *n = (spw_live *)ctx->live_spare->ptr;
-        free(ctx->live_spare);
-        ctx->live_spare = n;
-    }
-    spw__engine_destroy(ctx); /* buffers first: their device blocks live in the arenas */
-    /* the backend drains every stream before memory goes away */
-    spw__arena_destroy(ctx->small);
-    spw__arena_destroy(ctx->large);
-    ctx->backend->ops->destroy(ctx->backend);
-    pthread_mutex_destroy(&ctx->lock);
-    free(ctx);
-    return SPW_OK;
 }
 
 SPW_API const char *spw_ctx_backend(const spw_ctx *ctx) { return ctx ? ctx->backend->ops->name : "none"; }
@@ -256,8 +145,8 @@ SPW_API spw_status spw_malloc(spw_ctx *ctx, size_t bytes, spw_stream stream, voi
     spw_block *b = NULL;
     spw_status st = spw__ctx_alloc_block(ctx, a, bytes, stream, &b);
     if (SPW_UNLIKELY(st == SPW_ERR_OUT_OF_MEMORY)) {
-        /* evict unpinned buffers (policy order) unless on_exhaust=fail */
-        if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__engine_alloc_evicting(ctx, a, bytes, stream, &b);
+        /* the engine, if registered, evicts unpinned buffers (policy order) unless on_exhaust=fail */
+        if (st == SPW_ERR_OUT_OF_MEMORY && ctx->pressure) st = ctx->pressure(ctx, a, bytes, stream, &b);
         if (st == SPW_ERR_OUT_OF_MEMORY) st = spw__ctx_oom(ctx, bytes, stream);
     }
     if (SPW_UNLIKELY(st)) {
@@ -354,16 +243,6 @@ SPW_API spw_status spw_empty_cache(spw_ctx *ctx) {
     return st;
 }
 
-SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
-    if (!ctx || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stats_get: NULL argument");
-    pthread_mutex_lock(&ctx->lock);
-    spw__engine_stats_sync(ctx);
-    *out = ctx->stats;
-    out->largest_free_block = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
-    pthread_mutex_unlock(&ctx->lock);
-    return SPW_OK;
-}
-
 SPW_API spw_status spw_stats_reset_peaks(spw_ctx *ctx) {
     if (!ctx) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_stats_reset_peaks: context is NULL");
     pthread_mutex_lock(&ctx->lock);
@@ -371,31 +250,6 @@ SPW_API spw_status spw_stats_reset_peaks(spw_ctx *ctx) {
     SPW_STAT_LIST(SPW_RESET_PEAK_)
 #undef SPW_RESET_PEAK_
     pthread_mutex_unlock(&ctx->lock);
-    return SPW_OK;
-}
-
-void spw__ctx_describe_policy(spw_ctx *ctx, char *buf, size_t len) {
-    pthread_mutex_lock(&ctx->lock);
-    spw__engine_describe(ctx, buf, len);
-    pthread_mutex_unlock(&ctx->lock);
-}
-
-SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f) {
-    if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary: NULL argument");
-    spw_stats st;
-    char policy[256];
-    spw_stats_get(ctx, &st);
-    spw__ctx_describe_policy(ctx, policy, sizeof policy);
-    spw__stats_print_table(&st, spw_ctx_backend(ctx), f);
-    if (policy[0]) fprintf(f, "  %s\n", policy);
-    return SPW_OK;
-}
-
-SPW_API spw_status spw_summary_json(spw_ctx *ctx, FILE *f) {
-    if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary_json: NULL argument");
-    spw_stats st;
-    spw_stats_get(ctx, &st);
-    spw__stats_print_json(&st, spw_ctx_backend(ctx), f);
     return SPW_OK;
 }
 

@@ -1,7 +1,8 @@
 /*
  * Private declarations of the offload engine, shared by buffer.c (state machine and API),
  * residency.c (device copies, eviction, replica collapse), copy.c (transfers and their
- * ordering), hostmem.c (pinned host pool) and trace_events.c.
+ * ordering), prefetch_thread.c, step_wait.c and trace_events.c. The pinned host pool they use
+ * has its own header (hostmem.h).
  * Everything here runs under the context lock unless a comment says otherwise.
  *
  * Ordering model (why a buffer needs only two events):
@@ -41,8 +42,30 @@
 
 #include <stdatomic.h>
 
+#include "ctx.h"
+#include "hostmem.h"
 #include "internal.h"
 #include "policy.h"
+#include "stats.h"
+
+/* ---- the engine's entry points for the context (ctx_create.c) ---- */
+/* Create / destroy the engine of a context. create runs policy `pops` (the caller picks it),
+ * makes no backend call (copy streams are created with the first buffer) and registers
+ * spw__engine_alloc_evicting as the context's pressure callback; destroy releases every live
+ * buffer (waiting for its work), then the copy streams, the host pool and the trace. Called
+ * without the lock. */
+spw_status spw__engine_create(struct spw_ctx *ctx, const spw_policy_ops *pops);
+void spw__engine_destroy(struct spw_ctx *ctx);
+/* The pressure callback (spw_ctx_pressure_fn): evict unpinned buffers through the policy and
+ * retry the arena until the request fits. Lock held. Returns SPW_OK, or SPW_ERR_OUT_OF_MEMORY
+ * without a message (the caller writes the OOM report), or another error from an eviction.
+ * With on_exhaust=fail it returns SPW_ERR_OUT_OF_MEMORY at once. */
+spw_status spw__engine_alloc_evicting(struct spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s,
+                                      spw_block **out);
+/* Fold counters kept outside the lock (stall time) into ctx->stats. Lock held. */
+void spw__engine_stats_sync(struct spw_ctx *ctx);
+/* The policy's one-line account of itself ("" when it has none). Context lock held. */
+void spw__engine_describe(struct spw_ctx *ctx, char *buf, size_t len);
 
 #define SPW_BUF_ALIVE 0x53505742u /* "SPWB" */
 #define SPW_BUF_DYING 0x44594e47u /* destroy in progress: every call fails with SPW_ERR_STATE */
@@ -51,8 +74,6 @@
 #define SPW_UNTRACKED_H2D 1u
 #define SPW_UNTRACKED_D2H 2u
 
-typedef struct spw_hostpool spw_hostpool;
-typedef struct spw_hblock spw_hblock;
 typedef struct spw_tsink spw_tsink;
 
 struct spw_buf {
@@ -190,16 +211,6 @@ void spw__pf_watch(spw_ctx *ctx, spw_buf *b);
 void spw__pf_unwatch(spw_ctx *ctx, spw_buf *b);
 /* Uploads the worker has seen complete (tests). */
 uint64_t spw__pf_seen(spw_ctx *ctx);
-
-/* ---- hostmem.c: pinned host pool (context lock held) ---- */
-spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out);
-void spw__hostpool_destroy(spw_hostpool *hp);
-/* `bytes` of pinned host memory from a slab; SPW_ERR_HOST_OUT_OF_MEMORY names the numbers. */
-spw_status spw__hostpool_alloc(spw_hostpool *hp, size_t bytes, void **ptr, spw_hblock **blk);
-void spw__hostpool_free(spw_hostpool *hp, spw_hblock *blk);
-/* Return slabs with nothing allocated in them to the backend. */
-void spw__hostpool_trim(spw_hostpool *hp);
-size_t spw__hostpool_budget(const spw_hostpool *hp);
 
 /* ---- copy.c: copy streams, transfers, ordering (context lock held) ---- */
 spw_status spw__copy_streams(spw_ctx *ctx);       /* create the copy streams once */

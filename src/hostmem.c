@@ -1,7 +1,7 @@
 /*
  * The pinned host pool: host copies of buffers come from large slabs of pinned memory (backend
- * host_alloc), never one host_alloc per buffer, because pinning is slow (cudaHostAlloc of 1 GiB
- * takes over half a second). Slabs grow geometrically (64 MiB, doubling, at most 1 GiB, or the
+ * host_alloc), never one host_alloc per buffer, because pinning is slow (its cost grows with the
+ * bytes pinned: bench/RESULTS.md). Slabs grow geometrically (64 MiB, doubling, at most 1 GiB, or the
  * request when larger) and are sub-allocated best-fit with splitting and coalescing. The arena's
  * code is not reused: its blocks live in device address space with VMM holes, stream pools and
  * the device budget, none of which applies here; host blocks need no stream order because the
@@ -14,7 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
+#include "hostmem.h"
+#include "stats.h"
 
 #define HALIGN ((size_t)256)
 #define SLAB_MIN (64 * SPW_MiB)
@@ -39,16 +40,18 @@ struct hslab {
 };
 
 struct spw_hostpool {
-    spw_ctx *ctx;
+    spw_backend *be;
+    spw_counter *held_ctr; /* the owner's host_held counter */
     size_t budget, held, used;
     size_t next_slab;
     hslab *slabs;
 };
 
-spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out) {
+spw_status spw__hostpool_create(spw_backend *be, spw_counter *held, size_t budget, spw_hostpool **out) {
     spw_hostpool *hp = calloc(1, sizeof *hp);
     if (!hp) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "host pool: out of host memory");
-    hp->ctx = ctx;
+    hp->be = be;
+    hp->held_ctr = held;
     hp->budget = budget;
     hp->next_slab = SLAB_MIN;
     *out = hp;
@@ -56,7 +59,7 @@ spw_status spw__hostpool_create(spw_ctx *ctx, size_t budget, spw_hostpool **out)
 }
 
 static void slab_release(spw_hostpool *hp, hslab *s) {
-    spw_backend *be = hp->ctx->backend;
+    spw_backend *be = hp->be;
     be->ops->host_free(be, s->base); /* a failure leaves the memory to the backend's teardown */
     for (spw_hblock *b = s->first, *n; b; b = n) {
         n = b->next;
@@ -66,7 +69,7 @@ static void slab_release(spw_hostpool *hp, hslab *s) {
     else hp->slabs = s->next;
     if (s->next) s->next->prev = s->prev;
     hp->held -= s->size;
-    spw__stat_add(&hp->ctx->stats.host_held, -(int64_t)s->size);
+    spw__stat_add(hp->held_ctr, -(int64_t)s->size);
     free(s);
 }
 
@@ -131,7 +134,7 @@ static spw_status grow(spw_hostpool *hp, size_t n) {
         free(b);
         return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "host pool: out of host memory");
     }
-    spw_backend *be = hp->ctx->backend;
+    spw_backend *be = hp->be;
     void *p = NULL;
     spw_status st = be->ops->host_alloc(be, want, &p);
     if (st) {
@@ -150,7 +153,7 @@ static spw_status grow(spw_hostpool *hp, size_t n) {
     if (hp->slabs) hp->slabs->prev = s;
     hp->slabs = s;
     hp->held += want;
-    spw__stat_add(&hp->ctx->stats.host_held, (int64_t)want);
+    spw__stat_add(hp->held_ctr, (int64_t)want);
     if (hp->next_slab < SLAB_MAX) hp->next_slab *= 2;
     return SPW_OK;
 }

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "options.h"
 
 typedef enum opt_kind { OPT_SIZE, OPT_SIZE_PCT, OPT_ENUM, OPT_INT, OPT_INT_AUTO, OPT_FRACTION, OPT_STRING } opt_kind;
 

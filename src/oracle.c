@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "oracle.h"
 
 #define NONE SIZE_MAX
 

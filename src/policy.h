@@ -30,7 +30,9 @@
 #ifndef SPW_POLICY_H
 #define SPW_POLICY_H
 
+#include "ctx.h"
 #include "internal.h"
+#include "stats.h"
 
 typedef struct spw_policy spw_policy; /* a policy's private state (one per context) */
 
@@ -125,9 +127,8 @@ spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b);
  * left is mapped in one piece for the H2D stream. VMM arenas only; elsewhere it does nothing. */
 spw_status spw__engine_stream_room(spw_ctx *ctx);
 
-/* The policies, by option value. */
+/* The policies. The engine is handed one at creation (ctx_create.c picks it by option value). */
 extern const spw_policy_ops spw__policy_lru;
 extern const spw_policy_ops spw__policy_plan;
-const spw_policy_ops *spw__policy_find(int policy_kind);
 
 #endif /* SPW_POLICY_H */

@@ -86,11 +86,3 @@ const spw_policy_ops spw__policy_lru = {
     .on_evicted = lru_on_evicted,
     .choose_victim = lru_choose_victim,
 };
-
-const spw_policy_ops *spw__policy_find(int policy_kind) {
-    switch (policy_kind) {
-    case 0: return &spw__policy_lru;  /* SPW_POLICY_LRU */
-    case 1: return &spw__policy_plan; /* SPW_POLICY_PLAN */
-    default: return NULL;
-    }
-}

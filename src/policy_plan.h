@@ -21,7 +21,8 @@ extern _Thread_local int spw__plan_hash_oom;
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
 /* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps: the first settles the change
  * of resident set, the others are timed together (one step alone is at the mercy of one hiccup of
- * the host or the link, as large as the differences measured); the fastest is kept.
+ * the host or the link, which can be as large as the differences between pipelines); the fastest
+ * is kept.
  * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
  * transfer serialised with the work that frees its room; worth it where work hides less than a
  * transfer (small batches).
@@ -35,8 +36,9 @@ extern _Thread_local int spw__plan_hash_oom;
  * never occupied while its work still runs (arena owed waits), then fills the rest. It hides a
  * transfer behind work as long as a quarter buffer of transfer covers that work, with fewer bytes
  * moved than STATIC. The room is made one piece when its fixed set is taken up.
- * (Measured on the H200, deeper early prefetch than the double buffer was never faster than
- * STATIC, and every trial step pays its extra bytes.) */
+ * Deeper early prefetch than the double buffer is not tried: it moves the bytes STATIC moves or
+ * more, with less of the link's idle time filled, and every trial step pays its extra bytes
+ * (figures: bench/RESULTS.md). */
 #define PF_OFF (-1)
 #define PF_STATIC (-2)
 #define PF_SLOT (-3)
@@ -47,9 +49,10 @@ extern _Thread_local int spw__plan_hash_oom;
  * RETUNE_RATIO either way (the work of a step changed: another batch size, another sequence
  * length) starts the trials again, and their best replaces the pipeline in force only if it beats
  * that pipeline's own new time by RETIME_MARGIN (trial steps that wait are noisier than steps that
- * run ahead: on the H200, Llama decoding timed its four pipelines within 7% of each other, and the
- * narrow winner ran 10% slower than the incumbent). On a caller that waits for every step anyway
- * the waits cost nothing; on one that runs ahead, two host waits in RECHECK_EVERY steps. */
+ * run ahead: pipelines whose trial times lie close together can swap places between a trial and
+ * the steady state, so a narrow winner need not be faster than the incumbent). On a caller that
+ * waits for every step anyway the waits cost nothing; on one that runs ahead, two host waits in
+ * RECHECK_EVERY steps. */
 #define RECHECK_EVERY 32
 #define RETUNE_RATIO 1.25
 #define RETIME_MARGIN 0.9
@@ -57,9 +60,9 @@ extern _Thread_local int spw__plan_hash_oom;
  * eight steps found its premise broken: the fixed set displaced (taken up again at a step
  * boundary) or the device memory trimmed during the step (the room no longer one piece: an
  * upload of another size found no place). Each take-up and each trim synchronizes the streams; a
- * rare one costs less than the pipeline saves, one every step does not (measured on the H200:
- * prefill of 416 MiB layers and 250 MiB embeddings trimmed now and then, their decode about twice
- * a step, at 0.78-0.81 of the link). */
+ * rare one costs less than the pipeline saves, one every step does not (a workload whose buffers
+ * of several sizes trim the memory every step loses more to the synchronizations than SLOT
+ * gains; figures: bench/RESULTS.md). */
 #define SLOT_BROKEN_OF_8 4
 
 #ifndef FREE_VICTIM_SLACK

@@ -37,8 +37,8 @@
  *   of a watched buffer then asks nothing: complete means no wait; not yet seen complete means
  *   its stream waits on the upload's event (perhaps complete a moment ago: a wait on a complete
  *   event costs the device nothing). So the caller's call makes one driver call at most, where
- *   it made two (the query, then the wait), and none once the upload is done: on the H200 each
- *   cost 4-5 us of a framework hook's host time. Uploads share one stream and complete in
+ *   it made two (the query, then the wait), and none once the upload is done; each is a
+ *   large part of a framework hook's host time. Uploads share one stream and complete in
  *   order, so one question a poll is enough; an entry whose buffer was since evicted, waited
  *   on or touched again is dropped.
  */

@@ -113,7 +113,7 @@ static void collapse_add(spw_ctx *ctx, spw_buf *b) {
 static void collapse_now(spw_ctx *ctx, spw_buf *b) {
     if (OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_UNSET_READ_MOSTLY)) return;
     /* set again at once (no data moves): the next acquire then needs no advice, which would
-     * otherwise wait behind the migrations in flight (measured: 2.5 ms gaps per layer) */
+     * otherwise wait behind the migrations in flight, leaving the stream idle between buffers */
     b->adv_rm = OPS(ctx)->managed_advise(BE(ctx), b->host, b->bytes, SPW_ADVISE_READ_MOSTLY) == SPW_OK;
     b->replica = false;
     spw__res_collapse_unlink(ctx->engine, b);
@@ -308,6 +308,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
         b->dev_rec = b->dev_touched = false;
         return st;
     }
+    if (upload) spw__pf_watch(ctx, b); /* the worker may see the upload complete */
     settle_owed(ctx);
     b->dv = upload;
     set_resident(ctx, b, true);

@@ -1,5 +1,5 @@
 /* The statistics table and JSON, generated from SPW_STAT_LIST. */
-#include "internal.h"
+#include "stats.h"
 
 static void human(char *buf, size_t len, int64_t v, int is_bytes) {
     if (!is_bytes) {

@@ -17,7 +17,9 @@ static _Thread_local int hash_oom;
 #define uthash_nonfatal_oom(obj) ((void)(obj), hash_oom = 1)
 #include <uthash.h>
 
-#include "internal.h"
+#include "ctx.h"
+#include "options.h"
+#include "spillway_torch.h"
 
 #define SPW_TORCH_MAX_DEVICES 64
 #define SPW_TORCH_CONF_MAX 4096
@@ -137,7 +139,7 @@ static spw_status build_config(int device, const char *conf, double fraction, sp
     snprintf(dev, sizeof dev, "%d", device);
     /* PyTorch's caching allocator asks for whole segments and caches their blocks itself, so
      * pages mapped in place buy nothing here and cost a cuMemCreate + cuMemMap per 2 MiB on every
-     * new segment (measured: 9-15 ms for a 0.6 GB segment against 0.17 ms from cudaMalloc);
+     * new segment, many times what one cudaMalloc of the segment costs (bench/RESULTS.md);
      * plain segments are the default, SPILLWAY_CONF or the call's options may still ask for vmm. */
     if (!st) st = spw_config_set(cfg, "grow_ahead", "0");
     if (!st) st = spw_config_set(cfg, "vmm", "off");

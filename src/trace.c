@@ -19,7 +19,7 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "internal.h"
+#include "trace.h"
 
 /* uthash must never exit(): a failed insert sets `hash_oom`, a variable in scope at each
  * HASH_ADD, and the loader reports SPW_ERR_HOST_OUT_OF_MEMORY. */

@@ -145,8 +145,8 @@ static void span_end_cb(void *arg) {
 void *spw__tsink_span_begin(spw_ctx *ctx, spw_stream s, const char *name, const char *track,
                             uint64_t bytes, uint64_t buf_id, int stall) {
     spw_tsink *t = ctx->engine->sink;
-    /* Only with the trace: a host callback holds the stream for a host round trip (tens of
-     * microseconds on an H200), and a stall is a moment the stream is already waiting for. */
+    /* Only with the trace: a host callback holds the stream for a round trip through the host,
+     * and a stall is a moment the stream is already waiting for. */
     if (!spw__tsink_tracing(t)) return NULL;
     span *sp = calloc(1, sizeof *sp);
     if (!sp) return NULL;

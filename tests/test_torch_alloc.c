@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "spillway_torch.h"
 #include "test_util.h"
 
 #define MiB ((size_t)1 << 20)

@@ -9,7 +9,15 @@
 /* cmocka.h needs the above first */
 #include <cmocka.h>
 
+#include "access.h"
+#include "arena.h"
+#include "backend.h"
+#include "ctx.h"
 #include "internal.h"
+#include "options.h"
+#include "oracle.h"
+#include "stats.h"
+#include "trace.h"
 
 /* Context on the backend named by SPW_TEST_BACKEND (emu unless set to cuda), with `conf`
  * ("key=value,...", may be NULL) applied on top. Fails the test on error. */

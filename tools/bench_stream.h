@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "cli.h"
+#include "ctx.h"
 #include "internal.h"
 
 #ifdef SPW_HAVE_CUDA

@@ -9,7 +9,8 @@
  *   reached the backend (stats backend_allocs unchanged), i.e. that the cache was hit.
  * - raw on emu: malloc + free of the same size, nothing touched, timed as above.
  * - raw on cuda: cudaMalloc + cudaFree (cudaFree synchronizes the device), each pair timed alone,
- *   at most 100 pairs (20 from 64 MiB up) because a pair costs 0.1 to 1 ms.
+ *   at most 100 pairs (20 from 64 MiB up) because each pair synchronizes the device and costs
+ *   orders of magnitude more than a cached one (bench/RESULTS.md).
  * - async on cuda: cudaMallocAsync + cudaFreeAsync on one stream with the device's default pool
  *   warmed and its release threshold at UINT64_MAX (nothing returned to the driver), batched as
  *   for spillway; cudaStreamSynchronize runs after each batch, outside the timed section.

@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "internal.h"
+#include "trace.h"
 
 /* uthash must never exit(): a failed insert sets `hash_oom` (a local at each HASH_ADD). */
 #define HASH_NONFATAL_OOM 1

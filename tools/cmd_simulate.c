@@ -37,6 +37,7 @@
 
 #include "cli.h"
 #include "internal.h"
+#include "oracle.h"
 
 typedef struct sim_opts {
     const char *trace, *budget, *policy;

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "backend.h"
 #include "internal.h"
 
 /* ---- probe_detect.c: pure functions, no device, no I/O ---- */
@@ -38,8 +39,9 @@ typedef struct spw_chunk_verdict {
 } spw_chunk_verdict;
 
 /* A chunk is system memory when its bandwidth is below this fraction of the reference. VRAM is
- * 10-100x faster than any PCIe or C2C path to system memory, while run-to-run noise on VRAM is
- * well under 2x, so 0.35 separates the two with margin on both sides. */
+ * an order of magnitude or more faster than any PCIe or C2C path to system memory, while
+ * run-to-run noise on VRAM stays well within a factor of two, so 0.35 separates the two with
+ * margin on both sides. */
 #define SPW_DETECT_THRESHOLD 0.35
 /* The reference is the median of at most this many leading chunks. */
 #define SPW_DETECT_REF_MAX 5

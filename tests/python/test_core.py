@@ -15,6 +15,8 @@ from spillway import _lib
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = (REPO / "include" / "spillway.h").read_text()
+#: Every public header of libspillway: spillway.h and the PyTorch entry points' spillway_torch.h.
+HEADERS = HEADER + (REPO / "include" / "spillway_torch.h").read_text()
 MiB = 1 << 20
 
 
@@ -35,7 +37,7 @@ def test_stat_list_matches_header():
 
 
 def test_every_public_function_declared():
-    declared = set(re.findall(r"SPW_API\s+[\w\s\*]*?\b(spw_\w+)\s*\(", HEADER))
+    declared = set(re.findall(r"SPW_API\s+[\w\s\*]*?\b(spw_\w+)\s*\(", HEADERS))
     assert len(declared) > 30
     assert declared == set(_lib.FUNCTION_NAMES)
     for name in declared:
