@@ -137,6 +137,7 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
         goto fail;
     }
     size_t page = vmm ? SPW_MAX(ctx->dev.vmm_granularity, (size_t)2 * SPW_MiB) : 2 * SPW_MiB;
+    ctx->page = page;
     if (ctx->cfg.vmm_large_page > SPW_GiB) {
         st = spw__error(SPW_ERR_CONFIG, "option 'vmm_large_page': %zu B is above the limit of 1 GiB",
                         ctx->cfg.vmm_large_page);
@@ -357,6 +358,8 @@ SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
     spw__engine_stats_sync(ctx);
     *out = ctx->stats;
     out->largest_free_block = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
+    out->page = ctx->page;
+    out->budget_usable = SPW_ALIGN_DOWN(out->budget, ctx->page);
     pthread_mutex_unlock(&ctx->lock);
     return SPW_OK;
 }

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "size.h"
 #include "spillway.h"
 
 #define SPW_KiB ((size_t)1 << 10)
@@ -55,12 +56,8 @@ typedef enum spw_tristate { SPW_TRI_AUTO, SPW_TRI_ON, SPW_TRI_OFF } spw_tristate
 typedef enum spw_residency_kind { SPW_RES_EXPLICIT, SPW_RES_MANAGED } spw_residency_kind;
 typedef enum spw_policy_kind { SPW_POLICY_LRU, SPW_POLICY_PLAN } spw_policy_kind;
 
-/* A size that may be a percentage of the device. */
-typedef struct spw_size_opt {
-    size_t bytes;   /* when !percent */
-    double percent; /* 0 < percent <= 100 when percent */
-    bool is_percent;
-} spw_size_opt;
+/* A size that may be a percentage of the device (size.h). */
+typedef spw_size_spec spw_size_opt;
 
 /* Every option, by name. Adding an option = one X line + its field + parse kind. */
 struct spw_config {
@@ -86,9 +83,8 @@ struct spw_config {
     char trace[256];            /* Chrome trace JSON of engine events ("" = off) */
 };
 
-/* Resolve a size option against a device total. */
+/* size_api.c: resolve a size option against a device total; parse "N%" or a size. */
 size_t spw__size_resolve(const spw_size_opt *o, size_t device_total);
-/* Parse "N%" or a size. */
 spw_status spw__parse_size_opt(const char *text, spw_size_opt *out);
 
 /* ---- arena.c: best-fit, split/coalesce, stream-ordered, budgeted, over VA with page maps ---- */
@@ -177,6 +173,7 @@ struct spw_ctx {
     spw_device_info dev;
     size_t budget;
     size_t budget_max;          /* the budget at creation: address space was reserved for it */
+    size_t page;                /* the arenas map and hold whole pages of this size */
     spw_arena *small;
     spw_arena *large;
     spw_live *live_map;         /* uthash by pointer */
