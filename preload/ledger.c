@@ -29,7 +29,7 @@ int spwp_parse_budget(const char *text, spwp_config *cfg, char *err, size_t errl
     spwp_size def = {0}, dev[SPWP_MAX_DEVICES];
     memset(dev, 0, sizeof dev);
     char buf[512];
-    if (!text || !*text) return fail(err, errlen, "bad budget '%s': empty%s", text ? text : "", "");
+    if (!text) text = "";
     if (strlen(text) >= sizeof buf) return fail(err, errlen, "budget '%.64s...' is too long%s", text, "");
     strcpy(buf, text);
     char *s = buf;
@@ -37,7 +37,8 @@ int spwp_parse_budget(const char *text, spwp_config *cfg, char *err, size_t errl
     for (;;) {
         char *end = strchr(s, ';');
         if (end) *end = '\0';
-        if (!*s) return fail(err, errlen, "bad budget '%s': empty entry%s", text, "");
+        /* one entry: the size grammar says what is wrong with it, empty or not */
+        if (!*s && (end || s != buf)) return fail(err, errlen, "bad budget '%s': empty entry%s", text, "");
         char *colon = strchr(s, ':');
         char sub[192];
         if (colon) {

@@ -146,8 +146,10 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     /* Large buffers take large pages: a copy is split at every physical allocation under it */
     size_t large_page = page;
     while (vmm && large_page < ctx->cfg.vmm_large_page) large_page *= 2;
-    /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
-    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), large_page);
+    /* Address space is cheap; twice the budget leaves room for holes between live blocks. A
+     * budget above the device's memory can never be held: the device bounds the reservation. */
+    size_t holdable = ctx->dev.total_bytes ? SPW_MIN(ctx->budget, ctx->dev.total_bytes) : ctx->budget;
+    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * holdable, (size_t)4 * SPW_GiB), large_page);
     spw_arena_params ap = {.backend = ctx->backend, .ctx = ctx, .page = page, .vmm = vmm};
     ap.name = "small";
     ap.reserve_bytes = SPW_ALIGN_UP(SPW_MIN(ctx->budget, 64 * SPW_GiB) + page, page);
