@@ -159,8 +159,7 @@ def _budget_text(budget: Any) -> Optional[str]:
             if int(dev) in entries:
                 raise ConfigError(f"use_allocator: device {int(dev)} is given twice in the budget {budget!r}")
             entries[int(dev)] = size
-        _budget_text(entries)
-        return budget.strip()
+        budget = entries
     if isinstance(budget, dict):
         items = []
         for dev, size in sorted(budget.items()):
