@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, Optional, Union
@@ -81,6 +83,16 @@ def format_size(n: int) -> str:
     buf = ctypes.create_string_buffer(32)
     text = lib.spw_format_size(abs(n), buf, len(buf)).decode()
     return f"-{text}" if n < 0 else text
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel, from its caller, of the first frame outside this package (the
+    user's line, also when the call came through spillway.torch)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _option_text(key: str, value: Any) -> str:
@@ -228,7 +240,7 @@ class Context(_Closeable):
                 f"spillway: the device arenas hold whole {format_size(page)} pages, so of the budget "
                 f"{format_size(budget)} they can use only {format_size(usable)} "
                 f"({100 * (budget - usable) / budget:.1f}% lost); give a multiple of {format_size(page)}",
-                stacklevel=3)
+                stacklevel=_caller_level())
 
     # ---- lifetime ----
     @property

@@ -109,8 +109,9 @@ def test_context_options_and_budget():
         assert ctx.backend == "emu"
         assert ctx.budget == 8 * MiB
         assert ctx.options["policy"] == "plan"
-    with pytest.warns(UserWarning, match=r"whole 2\.00 MiB pages, so of the budget 3\.00 MiB they can use only 2\.00 MiB"):
+    with pytest.warns(UserWarning, match=r"whole 2\.00 MiB pages, so of the budget 3\.00 MiB they can use only 2\.00 MiB") as w:
         ctx = emu(budget=3 * MiB)
+    assert w[0].filename == __file__  # the caller's line, not the package's
     with ctx:
         assert ctx.budget == 3 * MiB
         st = ctx.stats()

@@ -85,3 +85,20 @@ def test_printing_is_the_librarys():
         assert spillway.format_size(n) == text
         if n >= 0:
             assert spillway.parse_size(text) == n  # printed text parses back
+
+
+def test_offload_budget_rounded_to_pages_warns():
+    import torch
+
+    from spillway import torch as spt
+
+    m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"budget 3\.00 MiB they can use only 2\.00 MiB \(33\.3% lost\)") as w:
+        o = spt.offload(m, budget="3MiB", backend="emu")
+    assert w[0].filename == __file__
+    try:
+        s = o.context.stats()
+        assert (s["budget"], s["budget_usable"]) == (3 << 20, 2 << 20)
+        assert "rounded down to 2.00 MiB" in o.context.summary()
+    finally:
+        o.remove()
