@@ -120,6 +120,8 @@ def test_context_options_and_budget():
         assert "budget 3.00 MiB, rounded down to 2.00 MiB: whole 2.00 MiB pages" in text
         assert "warning: the arenas hold whole 2.00 MiB pages, so 1.00 MiB of the 3.00 MiB budget (33.3%)" in text
         assert ctx.summary_json()["budget_usable"] == 2 * MiB
+        with pytest.raises(spillway.OutOfMemoryError, match=r"budget 3\.00 MiB \(3145728 B\), usable 2\.00 MiB \(whole 2\.00 MiB pages\)"):
+            ctx.malloc(3 * MiB)
     assert ctx.closed
     ctx.close()  # idempotent
     # rounding that loses at most 1% is said in the summary, without a warning
