@@ -8,7 +8,7 @@
 
 #define UNITS_TEXT "B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB"
 
-/* Exact products of up to 19 decimal digits and 2^40 need more than 64 bits. */
+/* Exact products of up to 18 decimal digits and 2^40 need more than 64 bits. */
 __extension__ typedef unsigned __int128 u128;
 
 static bool blank(char c) { return c == ' ' || c == '\t'; }
@@ -37,7 +37,7 @@ int spw__size_parse(const char *text, unsigned flags, spw_size_spec *out, char *
     const bool pct_ok = flags & SPW_SIZE_PERCENT;
     if (!tlen) return fail(err, errlen, t, tlen, "empty (expected a number with an optional unit)");
 
-    /* NUMBER: the whole part exactly, the fraction as an integer of up to 19 digits */
+    /* NUMBER: the whole part exactly, the fraction as an integer of its first 18 digits */
     uint64_t whole = 0, frac = 0, frac_div = 1;
     bool overflow = false, frac_lost = false;
     const char *d0 = p;
@@ -55,7 +55,7 @@ int spw__size_parse(const char *text, unsigned flags, spw_size_spec *out, char *
                 frac = frac * 10 + d;
                 frac_div *= 10;
             } else if (d) {
-                frac_lost = true; /* beyond 19 digits: below a millionth of a byte at 2^40 */
+                frac_lost = true; /* later digits weigh at most about a millionth of a byte at 2^40 */
             }
         }
         if (p == f0) return fail(err, errlen, t, tlen, "expected digits after the decimal point");
