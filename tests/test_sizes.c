@@ -259,10 +259,40 @@ static void printing(void **state) {
     assert_string_equal(spw_format_size(1, NULL, 0), "");
 }
 
+/* Bad arguments change nothing; percentages resolve against the device size given. */
+static void api_edges(void **state) {
+    (void)state;
+    size_t v = 7;
+    assert_status(spw_parse_size(NULL, &v), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_parse_size("1G", NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_parse_size("50%", &v), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "bad size '50%': a percentage is not accepted here"));
+    assert_ok(spw_parse_size("0", &v));
+    assert_int_equal(v, 0); /* a size may be 0; a budget may not */
+    uint64_t b = 7;
+    double p = 7;
+    assert_status(spw_parse_budget(NULL, 0, &b, &p), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_parse_budget("0", 0, &b, &p), SPW_ERR_CONFIG);
+    assert_true(b == 7 && p == 7);
+    assert_ok(spw_parse_budget("12.5%", 1ull << 20, &b, &p));
+    assert_true(b == 131072 && p == 12.5);
+    assert_ok(spw_parse_budget("3 GB", 1ull << 20, &b, NULL));
+    assert_true(b == 3ull << 30);
+    assert_ok(spw_parse_budget("3 GB", 0, NULL, &p));
+    assert_true(p == 0);
+    /* a long text is quoted shortened; the message still says why */
+    char longtext[200];
+    memset(longtext, '9', sizeof longtext - 1);
+    longtext[sizeof longtext - 1] = '\0';
+    assert_status(spw_parse_budget(longtext, 0, &b, &p), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "...': too large"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(one_grammar),
         cmocka_unit_test(printing),
+        cmocka_unit_test(api_edges),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
