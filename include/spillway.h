@@ -68,8 +68,8 @@ typedef struct spw_ctx spw_ctx;
 typedef struct spw_config spw_config;
 
 /* ---------------------------------------------------------------------------------------------
- * Configuration. One options table; `spillway --help-options` lists it. Values are strings:
- * sizes take B, KiB, MiB, GiB, TiB (and K, M, G, T as the same binary units) or N% of the device.
+ * Configuration. One options table; `spillway --help-options` lists it. Values are strings;
+ * sizes are written in the size grammar below.
  * Options: budget, backend (auto|cuda|emu), device, on_exhaust (fail|evict), vmm (auto|on|off),
  * emu_capacity, ... An unknown key or bad value fails with SPW_ERR_CONFIG naming the key.
  * ------------------------------------------------------------------------------------------- */
@@ -88,8 +88,27 @@ SPW_API spw_status spw_config_get(const spw_config *cfg, const char *key, char *
 /* Print the options table (name, default, help) to f. */
 SPW_API void spw_config_print_help(FILE *f);
 
-/* Parse a size ("6GiB", "512M", "1048576"). Percentages are refused here. */
+/* ---------------------------------------------------------------------------------------------
+ * Sizes: one grammar for every surface (options, SPILLWAY_CONF, the CLI, Python, the
+ * interposer; docs/sizes.md). A number, integer or decimal (no sign, no exponent), then an
+ * optional unit B, K, KB, KiB, M, MB, MiB, G, GB, GiB, T, TB or TiB, in any case, with or without
+ * blanks between; leading and trailing blanks are ignored. EVERY UNIT IS BINARY: "6GB", "6 G"
+ * and "6GiB" are all 6 x 2^30 bytes. Without a unit (or in B) the number is a whole number of
+ * bytes; with a larger unit a decimal is rounded down to a whole byte. At most 2^63 - 1 bytes.
+ * Where a budget is asked for, "N%" (0 < N <= 100, blanks allowed before '%') is N percent of
+ * the device. Errors are SPW_ERR_CONFIG with a message that quotes the text and says why.
+ * Sizes print as "512 B" below 1 KiB, else with two decimals in KiB, MiB, GiB or TiB ("1.50 GiB").
+ * ------------------------------------------------------------------------------------------- */
+
+/* Parse a size ("6GiB", "6 GB", "512M", "1048576"); 0 is accepted. Percentages are refused. */
 SPW_API spw_status spw_parse_size(const char *text, size_t *out);
+/* Parse a budget: a size of at least 1 byte, or "N%" of the device. *bytes (when not NULL)
+ * gets the size, or N% of device_total rounded down (0 when device_total is 0); *percent (when
+ * not NULL) gets N, or 0 for a size. Nothing is written on error. */
+SPW_API spw_status spw_parse_budget(const char *text, uint64_t device_total, uint64_t *bytes, double *percent);
+/* Print bytes as the library does ("1.50 GiB", "512 B") into buf (24 bytes are enough); returns
+ * buf (always NUL-terminated), or "" when buf is NULL or len is 0. */
+SPW_API const char *spw_format_size(uint64_t bytes, char *buf, size_t len);
 
 /* ---------------------------------------------------------------------------------------------
  * Context: one device, one backend, one budget.
@@ -181,6 +200,11 @@ typedef struct spw_stats {
 #undef SPW_STAT_FIELD_
     uint64_t budget;
     uint64_t largest_free_block;
+    /* The arenas map and hold whole pages of `page` bytes, so of the budget they can hold
+     * budget_usable: the budget rounded down to a multiple of page. The summary says so when
+     * the two differ, and warns when more than 1% of the budget is lost. */
+    uint64_t page;
+    uint64_t budget_usable;
 } spw_stats;
 
 SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out);

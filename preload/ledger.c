@@ -1,9 +1,10 @@
 /* Accounting and configuration of the interposer; see ledger.h for the contracts. */
 #include "ledger.h"
 
+#include "size.h"
+
 #include <ctype.h>
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,72 +19,17 @@ static int fail(char *err, size_t errlen, const char *fmt, const char *a, const 
 
 int spwp_parse_size(const char *text, bool allow_percent, spwp_size *out, char *err,
                     size_t errlen) {
-    static const struct {
-        const char *name;
-        unsigned shift;
-    } units[] = {{"", 0},    {"B", 0},    {"K", 10},   {"KB", 10}, {"KiB", 10}, {"M", 20},  {"MB", 20},
-                 {"MiB", 20}, {"G", 30},   {"GB", 30},  {"GiB", 30}, {"T", 40},  {"TB", 40}, {"TiB", 40}};
-    const char *p = text;
-    if (!text || !*text) return fail(err, errlen, "empty size%s%s", "", "");
-    /* Digits, optionally one '.' and more digits; no sign, no exponent, no spaces. */
-    uint64_t whole = 0;
-    double frac = 0, scale = 0.1;
-    bool digits = false, overflow = false;
-    while (isdigit((unsigned char)*p)) {
-        unsigned d = (unsigned)(*p++ - '0');
-        if (whole > (UINT64_MAX - d) / 10) overflow = true;
-        else whole = whole * 10 + d;
-        digits = true;
-    }
-    if (*p == '.') {
-        p++;
-        while (isdigit((unsigned char)*p)) {
-            frac += scale * (*p++ - '0');
-            scale /= 10;
-            digits = true;
-        }
-    }
-    if (!digits)
-        return fail(err, errlen,
-                    "bad size '%s': expected a number with an optional unit "
-                    "(B, KiB, MiB, GiB, TiB%s)",
-                    text, allow_percent ? ", or N%" : "");
-    if (overflow) return fail(err, errlen, "size '%s' is too large%s", text, "");
-    if (*p == '%') {
-        if (!allow_percent)
-            return fail(err, errlen, "bad size '%s': a percentage is not accepted here%s", text, "");
-        if (p[1]) return fail(err, errlen, "bad size '%s': nothing may follow '%%'%s", text, "");
-        double pct = (double)whole + frac;
-        if (!(pct > 0.0) || pct > 100.0)
-            return fail(err, errlen, "bad size '%s': a percentage must be in (0, 100]%s", text, "");
-        *out = (spwp_size){.percent = pct, .is_percent = true, .set = true};
-        return 0;
-    }
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        if (strcasecmp(p, units[i].name)) continue;
-        unsigned s = units[i].shift;
-        if (s && whole > (UINT64_MAX >> s)) return fail(err, errlen, "size '%s' is too large%s", text, "");
-        uint64_t bytes = whole << s;
-        double extra = frac * (double)((uint64_t)1 << s);
-        if (extra != floor(extra))
-            return fail(err, errlen, "bad size '%s': not a whole number of bytes%s", text, "");
-        if (extra > 0) {
-            if ((double)(UINT64_MAX - bytes) < extra)
-                return fail(err, errlen, "size '%s' is too large%s", text, "");
-            bytes += (uint64_t)extra;
-        }
-        if (bytes == 0) return fail(err, errlen, "bad size '%s': must be at least 1 byte%s", text, "");
-        *out = (spwp_size){.bytes = bytes, .set = true};
-        return 0;
-    }
-    return fail(err, errlen, "bad size '%s': unknown unit '%s' (use B, KiB, MiB, GiB or TiB)", text, p);
+    spw_size_spec v;
+    if (spw__size_parse(text, SPW_SIZE_NONZERO | (allow_percent ? SPW_SIZE_PERCENT : 0), &v, err, errlen)) return -1;
+    *out = (spwp_size){.bytes = v.bytes, .percent = v.percent, .is_percent = v.is_percent, .set = true};
+    return 0;
 }
 
 int spwp_parse_budget(const char *text, spwp_config *cfg, char *err, size_t errlen) {
     spwp_size def = {0}, dev[SPWP_MAX_DEVICES];
     memset(dev, 0, sizeof dev);
     char buf[512];
-    if (!text || !*text) return fail(err, errlen, "bad budget '%s': empty%s", text ? text : "", "");
+    if (!text) text = "";
     if (strlen(text) >= sizeof buf) return fail(err, errlen, "budget '%.64s...' is too long%s", text, "");
     strcpy(buf, text);
     char *s = buf;
@@ -91,7 +37,8 @@ int spwp_parse_budget(const char *text, spwp_config *cfg, char *err, size_t errl
     for (;;) {
         char *end = strchr(s, ';');
         if (end) *end = '\0';
-        if (!*s) return fail(err, errlen, "bad budget '%s': empty entry%s", text, "");
+        /* one entry: the size grammar says what is wrong with it, empty or not */
+        if (!*s && (end || s != buf)) return fail(err, errlen, "bad budget '%s': empty entry%s", text, "");
         char *colon = strchr(s, ':');
         char sub[192];
         if (colon) {
@@ -201,7 +148,8 @@ static uint64_t budget_locked(const spwp_ledger *l, int dev) {
     if (!s) return SPWP_UNLIMITED;
     if (!s->is_percent) return s->bytes;
     if (!l->dev[dev].physical) return SPWP_UNLIMITED;
-    return (uint64_t)((double)l->dev[dev].physical * (s->percent / 100.0));
+    spw_size_spec pct = {.percent = s->percent, .is_percent = true};
+    return spw__size_resolve_spec(&pct, l->dev[dev].physical);
 }
 
 void spwp_ledger_init(spwp_ledger *l, const spwp_config *cfg) {

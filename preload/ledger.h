@@ -35,9 +35,9 @@ typedef struct spwp_config {
     bool debug;                            /* log routing decisions on stderr */
 } spwp_config;
 
-/* Parse a size: an integer or decimal number with an optional unit B, K/KB/KiB, M/MB/MiB,
- * G/GB/GiB, T/TB/TiB (all binary, case-insensitive, as the library's spw_parse_size), or, when
- * allow_percent, "N%" with 0 < N <= 100. A size must be a whole number of bytes, at least 1. Returns 0, or -1 with a message in err that quotes the text. */
+/* Parse a size in the library's size grammar (src/size.h, compiled in): at least 1 byte, or,
+ * when allow_percent, "N%" with 0 < N <= 100. Returns 0, or -1 with a message in err that
+ * quotes the text. */
 int spwp_parse_size(const char *text, bool allow_percent, spwp_size *out, char *err, size_t errlen);
 
 /* Parse a budget: entries separated by ';', each "SIZE" (every device without an entry of its

@@ -91,13 +91,19 @@ spw_status spw__ctx_oom(spw_ctx *ctx, size_t bytes, spw_stream s) {
     spw__stat_event(&ctx->stats.ooms);
     if (s) snprintf(strm, sizeof strm, "stream %p", (void *)s);
     else snprintf(strm, sizeof strm, "the default stream");
+    /* a budget that is not a multiple of the page says what whole pages of it can be held */
+    char usable[96] = "", u[SPW_SIZE_FMT_MAX], pg[SPW_SIZE_FMT_MAX];
+    if (ctx->page && ctx->budget % ctx->page)
+        snprintf(usable, sizeof usable, ", usable %s (whole %s pages)",
+                 spw__size_format(u, sizeof u, SPW_ALIGN_DOWN(ctx->budget, ctx->page)),
+                 spw__size_format(pg, sizeof pg, ctx->page));
     /* read by users of every surface (C, Python, the CLI): no function names */
     return spw__error(
         SPW_ERR_OUT_OF_MEMORY,
-        "out of device memory: requested %s on %s; budget %s, held %s, live %s, cached %s, "
+        "out of device memory: requested %s on %s; budget %s%s, held %s, live %s, cached %s, "
         "pinned %s, largest free block %s. The budget is a hard limit (option 'budget'); raise it "
         "if the device has room, or free memory or release offloaded buffers first",
-        spw__fmt_bytes(req, sizeof req, bytes), strm, spw__fmt_bytes(bud, sizeof bud, ctx->budget),
+        spw__fmt_bytes(req, sizeof req, bytes), strm, spw__fmt_bytes(bud, sizeof bud, ctx->budget), usable,
         spw__fmt_bytes(held, sizeof held, (uint64_t)st->held.current),
         spw__fmt_bytes(live, sizeof live, (uint64_t)st->live.current),
         spw__fmt_bytes(cached, sizeof cached, (uint64_t)st->cached.current),

@@ -28,6 +28,7 @@ struct spw_ctx {
     spw_device_info dev;
     size_t budget;
     size_t budget_max;          /* the budget at creation: address space was reserved for it */
+    size_t page;                /* the arenas map and hold whole pages of this size */
     spw_arena *small;
     spw_arena *large;
     spw_live *live_map;         /* uthash by pointer */

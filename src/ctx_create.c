@@ -78,6 +78,7 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
         goto fail;
     }
     size_t page = vmm ? SPW_MAX(ctx->dev.vmm_granularity, (size_t)2 * SPW_MiB) : 2 * SPW_MiB;
+    ctx->page = page;
     if (ctx->cfg.vmm_large_page > SPW_GiB) {
         st = spw__error(SPW_ERR_CONFIG, "option 'vmm_large_page': %zu B is above the limit of 1 GiB",
                         ctx->cfg.vmm_large_page);
@@ -86,8 +87,10 @@ SPW_API spw_status spw_ctx_create(const spw_config *cfg_in, spw_ctx **out) {
     /* Large buffers take large pages: a copy is split at every physical allocation under it */
     size_t large_page = page;
     while (vmm && large_page < ctx->cfg.vmm_large_page) large_page *= 2;
-    /* Address space is cheap; twice the budget leaves room for holes between live blocks. */
-    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * ctx->budget, (size_t)4 * SPW_GiB), large_page);
+    /* Address space is cheap; twice the budget leaves room for holes between live blocks. A
+     * budget above the device's memory can never be held: the device bounds the reservation. */
+    size_t holdable = ctx->dev.total_bytes ? SPW_MIN(ctx->budget, ctx->dev.total_bytes) : ctx->budget;
+    size_t reserve = SPW_ALIGN_UP(SPW_MAX(2 * holdable, (size_t)4 * SPW_GiB), large_page);
     spw_arena_params ap = {.backend = ctx->backend,
                            .acct = {.held = &ctx->stats.held,
                                     .cached = &ctx->stats.cached,
@@ -149,6 +152,8 @@ SPW_API spw_status spw_stats_get(spw_ctx *ctx, spw_stats *out) {
     spw__engine_stats_sync(ctx);
     *out = ctx->stats;
     out->largest_free_block = SPW_MAX(spw__arena_largest_free(ctx->small), spw__arena_largest_free(ctx->large));
+    out->page = ctx->page;
+    out->budget_usable = SPW_ALIGN_DOWN(out->budget, ctx->page);
     pthread_mutex_unlock(&ctx->lock);
     return SPW_OK;
 }

@@ -73,16 +73,9 @@ spw_status spw__parse_error(const char *path, size_t line, const char *fmt, ...)
 void spw__error_clear(void) { tls_msg[0] = '\0'; }
 
 const char *spw__fmt_bytes(char *buf, size_t len, uint64_t bytes) {
-    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    double v = (double)bytes;
-    int u = 0;
-    while (v >= 1024.0 && u < 4) {
-        v /= 1024.0;
-        u++;
-    }
-    if (u == 0)
-        snprintf(buf, len, "%llu B", (unsigned long long)bytes);
-    else
-        snprintf(buf, len, "%.2f %s (%llu B)", v, units[u], (unsigned long long)bytes);
+    char h[SPW_SIZE_FMT_MAX];
+    spw__size_format(h, sizeof h, bytes);
+    if (bytes < 1024) snprintf(buf, len, "%s", h);
+    else snprintf(buf, len, "%s (%llu B)", h, (unsigned long long)bytes);
     return buf;
 }

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "size.h"
 #include "spillway.h"
 
 #define SPW_KiB ((size_t)1 << 10)

@@ -92,89 +92,23 @@ static spw_status unknown_key(const char *key, size_t len) {
     return spw__error(SPW_ERR_CONFIG, "unknown option '%.*s' (known: %s)", (int)len, key, names);
 }
 
-SPW_API spw_status spw_parse_size(const char *text, size_t *out) {
-    if (!text || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "size: NULL argument");
-    const char *p = text;
-    while (isspace((unsigned char)*p)) p++;
-    if (!isdigit((unsigned char)*p))
-        return spw__error(SPW_ERR_CONFIG, "bad size '%s': expected a number with an optional unit "
-                                          "(B, KiB, MiB, GiB, TiB, K, M, G, T)", text);
-    errno = 0;
-    char *end;
-    double v = strtod(p, &end);
-    if (errno || end == p || !isfinite(v) || v < 0)
-        return spw__error(SPW_ERR_CONFIG, "bad size '%s': not a number", text);
-    while (isspace((unsigned char)*end)) end++;
-    static const struct { const char *unit; double mult; } units[] = {
-        {"", 1.0},        {"B", 1.0},        {"K", 0x1p10},   {"KB", 0x1p10},   {"KiB", 0x1p10},
-        {"M", 0x1p20},    {"MB", 0x1p20},    {"MiB", 0x1p20}, {"G", 0x1p30},    {"GB", 0x1p30},
-        {"GiB", 0x1p30},  {"T", 0x1p40},     {"TB", 0x1p40},  {"TiB", 0x1p40},
-    };
-    size_t ulen = strlen(end);
-    while (ulen && isspace((unsigned char)end[ulen - 1])) ulen--;
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        if (strlen(units[i].unit) == ulen && !strncasecmp(end, units[i].unit, ulen)) {
-            double bytes = v * units[i].mult;
-            if (bytes >= 0x1p63)
-                return spw__error(SPW_ERR_CONFIG, "bad size '%s': too large", text);
-            if (bytes != floor(bytes))
-                return spw__error(SPW_ERR_CONFIG, "bad size '%s': not a whole number of bytes", text);
-            *out = (size_t)bytes;
-            return SPW_OK;
-        }
-    }
-    return spw__error(SPW_ERR_CONFIG, "bad size '%s': unknown unit '%.*s' (use B, KiB, MiB, GiB, TiB)",
-                      text, (int)ulen, end);
-}
-
-spw_status spw__parse_size_opt(const char *text, spw_size_opt *out) {
-    if (!text || !out) return spw__error(SPW_ERR_INVALID_ARGUMENT, "size: NULL argument");
-    size_t len = strlen(text);
-    while (len && isspace((unsigned char)text[len - 1])) len--;
-    if (len && text[len - 1] == '%') {
-        char *end;
-        errno = 0;
-        double pct = strtod(text, &end);
-        while (end < text + len - 1 && isspace((unsigned char)*end)) end++;
-        if (errno || end != text + len - 1 || !isfinite(pct) || pct <= 0 || pct > 100)
-            return spw__error(SPW_ERR_CONFIG, "bad percentage '%s': expected 0 < N <= 100 followed by %%", text);
-        out->is_percent = true;
-        out->percent = pct;
-        out->bytes = 0;
-        return SPW_OK;
-    }
-    size_t b;
-    spw_status st = spw_parse_size(text, &b);
-    if (st) return st;
-    out->is_percent = false;
-    out->percent = 0;
-    out->bytes = b;
-    return SPW_OK;
-}
-
-size_t spw__size_resolve(const spw_size_opt *o, size_t device_total) {
-    if (!o->is_percent) return o->bytes;
-    return (size_t)((double)device_total * o->percent / 100.0);
-}
-
 /* Parse one value into cfg; on error cfg is unchanged. */
 static spw_status set_one(spw_config *cfg, const opt_def *d, const char *value) {
     char *field = (char *)cfg + d->offset;
-    spw_status st;
     switch (d->kind) {
-    case OPT_SIZE: {
-        size_t v;
-        if ((st = spw_parse_size(value, &v))) return spw__error_prefix(st, "option '%s'", d->name);
-        if (v == 0) return spw__error(SPW_ERR_CONFIG, "option '%s': must be greater than 0", d->name);
-        memcpy(field, &v, sizeof v);
-        return SPW_OK;
-    }
+    case OPT_SIZE:
     case OPT_SIZE_PCT: {
-        spw_size_opt v;
-        if ((st = spw__parse_size_opt(value, &v))) return spw__error_prefix(st, "option '%s'", d->name);
-        if (!v.is_percent && v.bytes == 0)
-            return spw__error(SPW_ERR_CONFIG, "option '%s': must be greater than 0", d->name);
-        memcpy(field, &v, sizeof v);
+        spw_size_spec v;
+        char err[SPW_SIZE_ERR_MAX];
+        unsigned flags = SPW_SIZE_NONZERO | (d->kind == OPT_SIZE_PCT ? SPW_SIZE_PERCENT : 0);
+        if (spw__size_parse(value, flags, &v, err, sizeof err))
+            return spw__error(SPW_ERR_CONFIG, "option '%s': %s", d->name, err);
+        if (d->kind == OPT_SIZE) {
+            size_t b = (size_t)v.bytes;
+            memcpy(field, &b, sizeof b);
+        } else {
+            memcpy(field, &v, sizeof v);
+        }
         return SPW_OK;
     }
     case OPT_ENUM: {

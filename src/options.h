@@ -13,12 +13,8 @@ typedef enum spw_tristate { SPW_TRI_AUTO, SPW_TRI_ON, SPW_TRI_OFF } spw_tristate
 typedef enum spw_residency_kind { SPW_RES_EXPLICIT, SPW_RES_MANAGED } spw_residency_kind;
 typedef enum spw_policy_kind { SPW_POLICY_LRU, SPW_POLICY_PLAN } spw_policy_kind;
 
-/* A size that may be a percentage of the device. */
-typedef struct spw_size_opt {
-    size_t bytes;   /* when !percent */
-    double percent; /* 0 < percent <= 100 when percent */
-    bool is_percent;
-} spw_size_opt;
+/* A size that may be a percentage of the device (size.h). */
+typedef spw_size_spec spw_size_opt;
 
 /* Every option, by name. Adding an option = one X line + its field + parse kind. */
 struct spw_config {

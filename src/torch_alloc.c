@@ -82,9 +82,10 @@ static spw_status budget_for_device(const char *list, int device, char *out, siz
         if (seen[idx])
             return spw__error(SPW_ERR_CONFIG, "option 'budget': device %ld is given twice in \"%s\"", idx, list);
         seen[idx] = 1;
-        spw_size_opt probe;
-        spw_status st = spw__parse_size_opt(colon + 1, &probe);
-        if (st) return spw__error_prefix(st, "option 'budget' for device %ld", idx);
+        spw_size_spec probe;
+        char err[SPW_SIZE_ERR_MAX];
+        if (spw__size_parse(colon + 1, SPW_SIZE_PERCENT | SPW_SIZE_NONZERO, &probe, err, sizeof err))
+            return spw__error(SPW_ERR_CONFIG, "option 'budget' for device %ld: %s", idx, err);
         if (idx == device) {
             *found = 1;
             snprintf(out, len, "%s", colon + 1);

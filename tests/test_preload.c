@@ -14,7 +14,7 @@ static void sizes(void **state) {
         unsigned long long bytes;
     } ok[] = {{"1", 1},           {"512B", 512},          {"4K", 4096},          {"4KiB", 4096},
               {"2M", 2u << 20},   {"6GiB", 6 * GiB},      {"6gib", 6 * GiB},     {"1.5GiB", 3 * GiB / 2},
-              {"1T", 1ull << 40}, {"2TiB", 2ull << 40},   {"0.5K", 512}, {"1GB", GiB}};
+              {"1T", 1ull << 40}, {"2TiB", 2ull << 40},   {"0.5K", 512}, {"1GB", GiB}, {"1 GiB", GiB}, {" 6 gb ", 6 * GiB}};
     char err[256];
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         spwp_size s;
@@ -22,7 +22,7 @@ static void sizes(void **state) {
         assert_false(s.is_percent);
         assert_int_equal(s.bytes, ok[i].bytes);
     }
-    static const char *const bad[] = {"", "GiB", "-1", "1.3B", "1 GiB", "4X", "0", "0B", "1e9", "99999999999T",
+    static const char *const bad[] = {"", "GiB", "-1", "1.3B", "1 GiB x", "4X", "0", "0B", "1e9", "99999999999T",
                                       "18446744073709551616", "50%"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         spwp_size s;

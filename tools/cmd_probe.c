@@ -115,19 +115,11 @@ static spw_probe_plan plan_for(bool emu, bool quick) {
 
 /* "N%" with 0 < N <= 100 into *pct, or a positive size into *bytes. */
 static bool parse_max_mem(const char *s, size_t *bytes, double *pct) {
-    size_t n = strlen(s);
-    if (n >= 2 && s[n - 1] == '%') {
-        char *end = NULL;
-        errno = 0;
-        double v = strtod(s, &end);
-        if (errno || end != s + n - 1 || !(v > 0 && v <= 100)) return false;
-        *pct = v / 100.0;
-        *bytes = 0;
-        return true;
-    }
-    size_t b = 0;
-    if (spw_parse_size(s, &b) != SPW_OK || b == 0) return false;
-    *bytes = b;
+    uint64_t b = 0;
+    double p = 0;
+    if (spw_parse_budget(s, 0, &b, &p) != SPW_OK) return false;
+    *pct = p / 100.0;
+    *bytes = p > 0 ? 0 : (size_t)b;
     return true;
 }
 

@@ -74,12 +74,8 @@ static int parse_args(int argc, char **argv, replay_opts *o) {
             if (!(o->backend = spw_cli_flag_value("spillway replay", argc, argv, &i, "--backend"))) return 2;
         } else if (spw_cli_is_flag(a, "--budget")) {
             if (!(o->budget = spw_cli_flag_value("spillway replay", argc, argv, &i, "--budget"))) return 2;
-            size_t bytes, len = strlen(o->budget);
-            spw_status st = len && o->budget[len - 1] == '%' ? SPW_OK
-                                                             : spw_parse_size(o->budget, &bytes);
-            if (st != SPW_OK) {
-                fprintf(stderr, "spillway replay: bad --budget '%s': %s\n", o->budget,
-                        spw_last_error());
+            if (spw_parse_budget(o->budget, 0, NULL, NULL) != SPW_OK) {
+                fprintf(stderr, "spillway replay: bad --budget: %s\n", spw_last_error());
                 return 2;
             }
         } else if (a[0] == '-' && a[1] != '\0') {

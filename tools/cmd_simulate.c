@@ -39,6 +39,9 @@
 #include "internal.h"
 #include "oracle.h"
 
+/* --budget: a size, or a percentage (up to 1000) of the trace's total buffer bytes */
+#define SIM_BUDGET_FLAGS (SPW_SIZE_NONZERO | SPW_SIZE_PERCENT | SPW_SIZE_PERCENT_ANY)
+
 typedef struct sim_opts {
     const char *trace, *budget, *policy;
     uint64_t scale;
@@ -130,18 +133,14 @@ static int parse_args(int argc, char **argv, sim_opts *o) {
         usage(stderr);
         return 2;
     }
-    size_t len = strlen(o->budget), bytes;
-    if (len && o->budget[len - 1] == '%') {
-        char *end;
-        double pct = strtod(o->budget, &end);
-        if (end != o->budget + len - 1 || !(pct > 0 && pct <= 1000)) {
-            fprintf(stderr, "spillway simulate: bad --budget '%s' (0 < N <= 1000 before %%)\n",
-                    o->budget);
-            return 2;
-        }
-    } else if (spw_parse_size(o->budget, &bytes) != SPW_OK || bytes == 0) {
-        fprintf(stderr, "spillway simulate: bad --budget '%s': %s\n", o->budget,
-                bytes == 0 ? "must be greater than 0" : spw_last_error());
+    spw_size_spec b;
+    char err[SPW_SIZE_ERR_MAX];
+    if (spw__size_parse(o->budget, SIM_BUDGET_FLAGS, &b, err, sizeof err)) {
+        fprintf(stderr, "spillway simulate: bad --budget: %s\n", err);
+        return 2;
+    }
+    if (b.is_percent && b.percent > 1000) {
+        fprintf(stderr, "spillway simulate: bad --budget '%s': at most 1000%% of the trace's buffers\n", o->budget);
         return 2;
     }
     return -1;
@@ -150,10 +149,10 @@ static int parse_args(int argc, char **argv, sim_opts *o) {
 /* The budget in bytes for the (already scaled) trace: a percentage of its total buffer bytes,
  * or a size divided by the scale. */
 static uint64_t resolve_budget(const sim_opts *o, const spw_access_trace *t) {
-    size_t len = strlen(o->budget), bytes = 0;
-    if (o->budget[len - 1] == '%') return (uint64_t)((double)t->total_bytes * strtod(o->budget, NULL) / 100.0);
-    spw_parse_size(o->budget, &bytes); /* validated in parse_args */
-    return (uint64_t)bytes / o->scale;
+    spw_size_spec b = {0};
+    spw__size_parse(o->budget, SIM_BUDGET_FLAGS, &b, NULL, 0); /* validated in parse_args */
+    if (b.is_percent) return spw__size_resolve_spec(&b, t->total_bytes);
+    return b.bytes / o->scale;
 }
 
 /* ---- engine counters, by name ---- */

@@ -87,11 +87,14 @@ class Counter(ctypes.Structure):
 
 
 class Stats(ctypes.Structure):
-    """spw_stats: one Counter per STAT_NAMES entry, then budget and largest_free_block."""
+    """spw_stats: one Counter per STAT_NAMES entry, then budget, largest_free_block, page and
+    budget_usable."""
 
     _fields_ = [(name, Counter) for name in STAT_NAMES] + [
         ("budget", ctypes.c_uint64),
         ("largest_free_block", ctypes.c_uint64),
+        ("page", ctypes.c_uint64),
+        ("budget_usable", ctypes.c_uint64),
     ]
 
 
@@ -119,6 +122,11 @@ _SIGNATURES = {
     "spw_config_get": (status_t, [config_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "spw_config_print_help": (None, [FILE_p]),
     "spw_parse_size": (status_t, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]),
+    "spw_parse_budget": (
+        status_t,
+        [ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)],
+    ),
+    "spw_format_size": (ctypes.c_char_p, [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]),
     "spw_ctx_create": (status_t, [config_p, ctypes.POINTER(ctx_p)]),
     "spw_ctx_destroy": (status_t, [ctx_p]),
     "spw_ctx_backend": (ctypes.c_char_p, [ctx_p]),

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
+import sys
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, Optional, Union
 
@@ -35,7 +38,8 @@ _MODES = {
 
 
 def parse_size(size: Size) -> int:
-    """Bytes from an int or a size string ("6GiB", "512M", "1048576"), as the library parses it.
+    """Bytes from an int or a size string ("6GiB", "6 GB", "512M", "1048576"), parsed by the
+    library (docs/sizes.md: every unit is binary, GB = GiB = 2**30).
 
     Percentages are refused here (they need a device: pass them to Context(budget="80%")).
     """
@@ -53,29 +57,42 @@ def parse_size(size: Size) -> int:
 
 
 def parse_budget(budget: Any, who: str) -> Union[int, str]:
-    """A budget as bytes, or "N%" (of the device, resolved by the library). `who` names the
-    caller in the ConfigError raised for anything else (bool, float, negative or zero, bad text)."""
+    """A budget as bytes, or "N%" (of the device, resolved by the library), parsed by the
+    library's size grammar. `who` names the caller in the ConfigError raised for anything else
+    (bool, float, negative or zero, bad text)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
         raise ConfigError(f"{who}: a budget is bytes (int) or a size string such as '6GiB', got {budget!r}")
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        return budget.strip()
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ConfigError(f"{who}: a budget must be positive, got {budget!r}")
+        return budget
+    nbytes, pct = ctypes.c_uint64(), ctypes.c_double()
     try:
-        value = parse_size(budget)
+        check(lib.spw_parse_budget(budget.encode(), 0, ctypes.byref(nbytes), ctypes.byref(pct)))
     except Error as e:
         raise ConfigError(f"{who}: bad budget {budget!r}: {e.message}") from None
-    if value <= 0:
-        raise ConfigError(f"{who}: a budget must be positive, got {budget!r}")
-    return value
+    if pct.value > 0:
+        return "".join(budget.split())  # "N%", as the library reads it
+    return int(nbytes.value)
 
 
 def format_size(n: int) -> str:
-    """Human-readable bytes in binary units ("1.50 GiB")."""
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{int(v)} B" if unit == "B" else f"{v:.2f} {unit}"
-        v /= 1024
-    return f"{n} B"
+    """Bytes as the library prints them: "512 B", else two decimals of KiB, MiB, GiB or TiB
+    ("1.50 GiB")."""
+    n = int(n)
+    buf = ctypes.create_string_buffer(32)
+    text = lib.spw_format_size(abs(n), buf, len(buf)).decode()
+    return f"-{text}" if n < 0 else text
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel, from its caller, of the first frame outside this package (the
+    user's line, also when the call came through spillway.torch)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _option_text(key: str, value: Any) -> str:
@@ -211,6 +228,19 @@ class Context(_Closeable):
             self.options: Dict[str, str] = {}
             for key in ("budget", "policy", "backend", "residency", "prefetch", "trace", "emu_capacity", "device"):
                 self.options[key] = cfg.get(key)
+        self._warn_rounding()
+
+    def _warn_rounding(self) -> None:
+        """Warn when whole pages hold more than 1% less than the budget (the rule of the
+        library's summary, src/size.h)."""
+        s = self.stats()
+        budget, usable, page = s["budget"], s["budget_usable"], s["page"]
+        if page and usable < budget and budget - usable > budget // 100:
+            warnings.warn(
+                f"spillway: the device arenas hold whole {format_size(page)} pages, so of the budget "
+                f"{format_size(budget)} they can use only {format_size(usable)} "
+                f"({100 * (budget - usable) / budget:.1f}% lost); give a multiple of {format_size(page)}",
+                stacklevel=_caller_level())
 
     # ---- lifetime ----
     @property
@@ -300,8 +330,9 @@ class Context(_Closeable):
 
     # ---- observability ----
     def stats(self) -> Dict[str, Any]:
-        """The library's counters: {name: {"current", "peak", "total"}}, plus "budget" and
-        "largest_free_block" (ints)."""
+        """The library's counters: {name: {"current", "peak", "total"}}, plus "budget",
+        "largest_free_block", "page" and "budget_usable" (ints: the arenas hold whole pages, so
+        of the budget they can hold budget_usable, the budget rounded down to whole pages)."""
         st = _lib.Stats()
         check(lib.spw_stats_get(self._live(), ctypes.byref(st)))
         out: Dict[str, Any] = {}
@@ -310,6 +341,8 @@ class Context(_Closeable):
             out[name] = {"current": c.current, "peak": c.peak, "total": c.total}
         out["budget"] = int(st.budget)
         out["largest_free_block"] = int(st.largest_free_block)
+        out["page"] = int(st.page)
+        out["budget_usable"] = int(st.budget_usable)
         return out
 
     def memory_stats(self) -> Dict[str, int]:

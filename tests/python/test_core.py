@@ -33,7 +33,7 @@ def test_stat_list_matches_header():
     assert len(names) > 20
     assert tuple(names) == _lib.STAT_NAMES
     fields = [f[0] for f in _lib.Stats._fields_]
-    assert fields == list(names) + ["budget", "largest_free_block"]
+    assert fields == list(names) + ["budget", "largest_free_block", "page", "budget_usable"]
 
 
 def test_every_public_function_declared():
@@ -111,10 +111,28 @@ def test_context_options_and_budget():
         assert ctx.backend == "emu"
         assert ctx.budget == 8 * MiB
         assert ctx.options["policy"] == "plan"
-    with emu(budget=3 * MiB) as ctx:
+    with pytest.warns(UserWarning, match=r"whole 2\.00 MiB pages, so of the budget 3\.00 MiB they can use only 2\.00 MiB") as w:
+        ctx = emu(budget=3 * MiB)
+    assert w[0].filename == __file__  # the caller's line, not the package's
+    with ctx:
         assert ctx.budget == 3 * MiB
+        st = ctx.stats()
+        assert (st["page"], st["budget_usable"]) == (2 * MiB, 2 * MiB)
+        text = ctx.summary()
+        assert "budget 3.00 MiB, rounded down to 2.00 MiB: whole 2.00 MiB pages" in text
+        assert "warning: the arenas hold whole 2.00 MiB pages, so 1.00 MiB of the 3.00 MiB budget (33.3%)" in text
+        assert ctx.summary_json()["budget_usable"] == 2 * MiB
+        with pytest.raises(spillway.OutOfMemoryError, match=r"budget 3\.00 MiB \(3145728 B\), usable 2\.00 MiB \(whole 2\.00 MiB pages\)"):
+            ctx.malloc(3 * MiB)
     assert ctx.closed
     ctx.close()  # idempotent
+    # rounding that loses at most 1% is said in the summary, without a warning
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with emu(budget=200 * MiB + 1) as ctx:
+            text = ctx.summary()
+            assert "rounded down to 200.00 MiB" in text and "warning" not in text
 
 
 def test_config_errors_carry_the_message():
@@ -265,7 +283,7 @@ def test_stats_summary_and_json():
         with b.acquired():
             pass
         st = ctx.stats()
-        assert set(st) == set(_lib.STAT_NAMES) | {"budget", "largest_free_block"}
+        assert set(st) == set(_lib.STAT_NAMES) | {"budget", "largest_free_block", "page", "budget_usable"}
         assert st["bytes_h2d"] == {"current": 1000, "peak": 1000, "total": 1000}
         assert st["budget"] == 16 * MiB
         flat = ctx.memory_stats()

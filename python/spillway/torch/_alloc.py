@@ -145,9 +145,22 @@ class _SharedContext(Context):
 
 
 def _budget_text(budget: Any) -> Optional[str]:
-    """The budget option as the library reads it: one size for every device, or per device."""
+    """The budget option as the library reads it: one size for every device, or per device
+    ("0:4GiB;1:8GiB" or {0: "4GiB", 1: "8GiB"}). Every size is checked here, by the library's
+    size grammar (spillway.core.parse_budget), so a bad one fails at use_allocator()."""
     if budget is None:
         return None
+    if isinstance(budget, str) and ":" in budget:
+        entries: Dict[Any, Any] = {}
+        for item in budget.split(";"):
+            dev, sep, size = item.partition(":")
+            if not sep or not dev.strip().isdigit():
+                raise ConfigError(f"use_allocator: bad per-device budget entry {item!r} in {budget!r} "
+                                  "(expected DEVICE:SIZE;DEVICE:SIZE, e.g. 0:4GiB;1:8GiB)")
+            if int(dev) in entries:
+                raise ConfigError(f"use_allocator: device {int(dev)} is given twice in the budget {budget!r}")
+            entries[int(dev)] = size
+        budget = entries
     if isinstance(budget, dict):
         items = []
         for dev, size in sorted(budget.items()):
@@ -157,8 +170,6 @@ def _budget_text(budget: Any) -> Optional[str]:
         if not items:
             raise ConfigError("use_allocator: budget={} names no device")
         return ";".join(items)
-    if isinstance(budget, str) and ":" in budget:
-        return budget.strip()
     return _size_text(budget)
 
 
