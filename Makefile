@@ -3,6 +3,9 @@ BUILD ?= build
 JOBS  ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 TRACES ?= ../shared/traces
+# The Python whose search path decides where `make install` puts the package (a venv's or a
+# conda env's python for those).
+PYTHON ?= python3
 
 .PHONY: all build deps pydeps test test-gpu demo install clean sanitize sanitize-gpu
 
@@ -29,13 +32,16 @@ deps:
 	  fi; \
 	fi
 
-# The Python tests run with Debian's interpreter and CPU torch; installed only when missing.
+# The Python tests run with Debian's interpreter and CPU torch; the install check makes a venv
+# and builds the package offline with Debian's setuptools and wheel. Installed only when missing.
 pydeps:
 	@need=""; \
 	[ -x /usr/bin/python3 ] || need="$$need python3"; \
 	/usr/bin/python3 -c 'import torch' 2>/dev/null || need="$$need python3-torch"; \
 	/usr/bin/python3 -c 'import numpy' 2>/dev/null || need="$$need python3-numpy"; \
 	/usr/bin/python3 -c 'import pytest' 2>/dev/null || need="$$need python3-pytest"; \
+	/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need="$$need python3-venv"; \
+	/usr/bin/python3 -c 'import setuptools, wheel' 2>/dev/null || need="$$need python3-setuptools python3-wheel"; \
 	if [ -n "$$need" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  echo "installing:$$need"; \
@@ -65,8 +71,10 @@ demo: build
 	    /usr/bin/python3 python/examples/offload_demo.py; \
 	else echo "demo: /usr/bin/python3 cannot import torch: skipping the spillway.torch demo (apt-get install python3-torch)"; fi
 
+# PREFIX/bin/spillway, the library and its interposer, spillway.h, spillway.pc, and the Python
+# package where $(PYTHON) searches under PREFIX (PREFIX=~/.local: its user site).
 install: build
-	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))
+	SPW_PYTHON="$(PYTHON)" cmake --install $(BUILD) $(if $(PREFIX),--prefix "$(PREFIX)")
 
 sanitize: deps
 	cmake -S . -B build-asan -DSPW_SANITIZE=address -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
