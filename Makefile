@@ -4,6 +4,9 @@ JOBS  ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 # the traces `make demo` replays (in the repository; TRACES=DIR reads others)
 TRACES ?= tests/data
+# The Python whose search path decides where `make install` puts the package (a venv's or a
+# conda env's python for those).
+PYTHON ?= python3
 
 .PHONY: all build deps pydeps test test-gpu demo install clean sanitize sanitize-gpu
 
@@ -30,13 +33,16 @@ deps:
 	  fi; \
 	fi
 
-# The Python tests run with Debian's interpreter and CPU torch; installed only when missing.
+# The Python tests run with Debian's interpreter and CPU torch; the install check makes a venv
+# and builds the package offline with Debian's setuptools and wheel. Installed only when missing.
 pydeps:
 	@need=""; \
 	[ -x /usr/bin/python3 ] || need="$$need python3"; \
 	/usr/bin/python3 -c 'import torch' 2>/dev/null || need="$$need python3-torch"; \
 	/usr/bin/python3 -c 'import numpy' 2>/dev/null || need="$$need python3-numpy"; \
 	/usr/bin/python3 -c 'import pytest' 2>/dev/null || need="$$need python3-pytest"; \
+	/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need="$$need python3-venv"; \
+	/usr/bin/python3 -c 'import setuptools, wheel' 2>/dev/null || need="$$need python3-setuptools python3-wheel"; \
 	if [ -n "$$need" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  echo "installing:$$need"; \
@@ -69,8 +75,10 @@ demo: build pydeps
 	SPILLWAY_LIBRARY=$(CURDIR)/$(BUILD)/libspillway.so PYTHONPATH=$(CURDIR)/python PYTHONDONTWRITEBYTECODE=1 \
 	  /usr/bin/python3 python/examples/offload_demo.py
 
+# PREFIX/bin/spillway, the library and its interposer, spillway.h, spillway.pc, and the Python
+# package where $(PYTHON) searches under PREFIX (PREFIX=~/.local: its user site).
 install: build
-	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))
+	SPW_PYTHON="$(PYTHON)" cmake --install $(BUILD) $(if $(PREFIX),--prefix "$(PREFIX)")
 
 sanitize: deps
 	cmake -S . -B build-asan -DSPW_SANITIZE=address -DSPW_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug
