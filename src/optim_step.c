@@ -12,8 +12,8 @@
 
 /* Below this many elements a part is not worth a worker's wake-up. */
 #define SPW_OPTIM_MIN_PART ((size_t)1 << 15)
-/* Parts start on multiples of 16 elements (64 bytes of fp32), away from each other's lines. */
-#define SPW_OPTIM_PART_ALIGN ((size_t)16)
+/* Chunks start on multiples of 16 elements (64 bytes of fp32), away from each other's lines. */
+#define SPW_OPTIM_CHUNK_ALIGN ((size_t)16)
 
 /* ---- instruction set ---- */
 
@@ -127,7 +127,11 @@ static spw_status spw_check_dtype(const char *fn, size_t index, spw_optim_dtype 
     return SPW_OK;
 }
 
-/* ---- splitting ---- */
+/* ---- splitting ----
+ * The elements of all tensors, end to end, are cut into chunks that the pool's threads take in
+ * turn from a shared counter: a thread slowed down (another process on its core, the program's
+ * own threads) takes fewer chunks instead of holding up the step. Results do not depend on the
+ * cut. */
 
 typedef struct spw_job {
     const spw_isa *isa;
@@ -135,6 +139,9 @@ typedef struct spw_job {
     const void *tensors;
     size_t count;
     size_t total;
+    size_t chunk;        /* elements per chunk, a multiple of SPW_OPTIM_CHUNK_ALIGN */
+    size_t nchunks;
+    atomic_size_t next;  /* the next chunk to take */
     int adam;
 } spw_job;
 
@@ -143,35 +150,41 @@ static size_t spw_tensor_n(const spw_job *job, size_t i) {
                      : ((const spw_sgd_tensor *)job->tensors)[i].n;
 }
 
-static size_t spw_part_start(const spw_job *job, unsigned part, unsigned parts) {
-    if (part >= parts) return job->total;
-    size_t start = job->total / parts * part;
-    return start - start % SPW_OPTIM_PART_ALIGN;
-}
-
 static void spw_job_part(void *arg, unsigned part, unsigned parts) {
-    const spw_job *job = arg;
-    size_t lo = spw_part_start(job, part, parts), hi = spw_part_start(job, part + 1, parts);
-    size_t base = 0; /* global index of tensor i's first element */
-    for (size_t i = 0; i < job->count && base < hi; i++) {
-        size_t n = spw_tensor_n(job, i);
-        size_t a = lo > base ? lo - base : 0;
-        size_t b = hi - base < n ? hi - base : n;
-        if (a < b) {
-            if (job->adam)
-                job->isa->adam(job->coef, (const spw_adam_tensor *)job->tensors + i, a, b);
-            else
-                job->isa->sgd(job->coef, (const spw_sgd_tensor *)job->tensors + i, a, b);
+    spw_job *job = arg;
+    (void)part;
+    (void)parts;
+    size_t first = 0, first_base = 0; /* the tensor holding the last chunk's start; chunks a
+                                       * thread takes only grow, so this only moves forward */
+    for (;;) {
+        size_t c = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (c >= job->nchunks) return;
+        size_t lo = c * job->chunk, hi = SPW_MIN(lo + job->chunk, job->total);
+        while (first < job->count && first_base + spw_tensor_n(job, first) <= lo)
+            first_base += spw_tensor_n(job, first++);
+        for (size_t i = first, base = first_base; i < job->count && base < hi; i++) {
+            size_t n = spw_tensor_n(job, i);
+            size_t a = lo > base ? lo - base : 0;
+            size_t b = hi - base < n ? hi - base : n;
+            if (a < b) {
+                if (job->adam)
+                    job->isa->adam(job->coef, (const spw_adam_tensor *)job->tensors + i, a, b);
+                else
+                    job->isa->sgd(job->coef, (const spw_sgd_tensor *)job->tensors + i, a, b);
+            }
+            base += n;
         }
-        base += n;
     }
 }
 
 static spw_status spw_run_job(spw_optim_pool *pool, spw_job *job) {
     if (job->total == 0) return SPW_OK;
     job->isa = spw_isa_current();
+    atomic_init(&job->next, 0);
     size_t want = job->total / SPW_OPTIM_MIN_PART;
     if (want <= 1) {
+        job->chunk = job->total;
+        job->nchunks = 1;
         spw_job_part(job, 0, 1);
         return SPW_OK;
     }
@@ -179,6 +192,11 @@ static spw_status spw_run_job(spw_optim_pool *pool, spw_job *job) {
     if (!pool) return SPW_ERR_HOST_OUT_OF_MEMORY; /* message set */
     unsigned threads = spw_optim_pool_threads(pool);
     unsigned parts = want < threads ? (unsigned)want : threads;
+    /* about 8 chunks a thread, none smaller than SPW_OPTIM_MIN_PART */
+    size_t chunk = SPW_MAX(job->total / ((size_t)parts * 8), SPW_OPTIM_MIN_PART);
+    chunk = SPW_ALIGN_UP(chunk, SPW_OPTIM_CHUNK_ALIGN);
+    job->chunk = chunk;
+    job->nchunks = (job->total + chunk - 1) / chunk;
     spw__pool_run(pool, parts, spw_job_part, job);
     return SPW_OK;
 }
