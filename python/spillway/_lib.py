@@ -1,4 +1,4 @@
-"""ctypes declarations of include/spillway.h: the only place that knows the C ABI.
+"""ctypes declarations of include/spillway.h and spillway_optim.h: the only place that knows the C ABI.
 
 Every public function of the header is declared here with its argtypes and restype, so a call
 with a wrong type fails in Python instead of corrupting memory. The statistics struct is built
@@ -181,6 +181,96 @@ _SIGNATURES = {
 #: Public function names declared here (the sync test compares them with the header).
 FUNCTION_NAMES = tuple(_SIGNATURES)
 
+
+# ---- include/spillway_optim.h: the host optimizer step ----
+
+OPTIM_F32 = 0
+OPTIM_BF16 = 1
+OPTIM_F16 = 2
+ADAM_MAXIMIZE = 1 << 0
+ADAM_MOMENT_MUL_ADD = 1 << 1
+SGD_MAXIMIZE = 1 << 0
+SGD_NESTEROV = 1 << 1
+SGD_FIRST_STEP = 1 << 2
+
+
+class AdamTensor(ctypes.Structure):
+    """spw_adam_tensor."""
+
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("max_exp_avg_sq", ctypes.c_void_p),
+        ("n", ctypes.c_size_t),
+        ("grad_dtype", ctypes.c_int),
+    ]
+
+
+class AdamHparams(ctypes.Structure):
+    """spw_adam_hparams."""
+
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("step", ctypes.c_int64),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class SgdTensor(ctypes.Structure):
+    """spw_sgd_tensor."""
+
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("momentum_buffer", ctypes.c_void_p),
+        ("n", ctypes.c_size_t),
+        ("grad_dtype", ctypes.c_int),
+    ]
+
+
+class SgdHparams(ctypes.Structure):
+    """spw_sgd_hparams."""
+
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("momentum", ctypes.c_double),
+        ("dampening", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+optim_pool_p = ctypes.c_void_p
+
+# name -> (restype, argtypes), in spillway_optim.h's order.
+_OPTIM_SIGNATURES = {
+    "spw_optim_pool_create": (status_t, [ctypes.c_uint, ctypes.POINTER(optim_pool_p)]),
+    "spw_optim_pool_destroy": (None, [optim_pool_p]),
+    "spw_optim_pool_threads": (ctypes.c_uint, [optim_pool_p]),
+    "spw_adam_step": (
+        status_t,
+        [optim_pool_p, ctypes.POINTER(AdamHparams), ctypes.POINTER(AdamTensor), ctypes.c_size_t],
+    ),
+    "spw_adamw_step": (
+        status_t,
+        [optim_pool_p, ctypes.POINTER(AdamHparams), ctypes.POINTER(AdamTensor), ctypes.c_size_t],
+    ),
+    "spw_sgd_step": (
+        status_t,
+        [optim_pool_p, ctypes.POINTER(SgdHparams), ctypes.POINTER(SgdTensor), ctypes.c_size_t],
+    ),
+    "spw_optim_isa": (ctypes.c_char_p, []),
+}
+
+#: Public function names of spillway_optim.h declared here (its sync test reads that header).
+OPTIM_FUNCTION_NAMES = tuple(_OPTIM_SIGNATURES)
+
 _LIB_NAMES = ("libspillway.so.0", "libspillway.so")
 
 
@@ -252,7 +342,7 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise OSError(f"spillway: could not load {path}: {e}") from e
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in {**_SIGNATURES, **_OPTIM_SIGNATURES}.items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
@@ -319,6 +409,7 @@ __all__ = [
     "Counter",
     "STAT_NAMES",
     "FUNCTION_NAMES",
+    "OPTIM_FUNCTION_NAMES",
     "find_library",
     "capture_file",
     "last_error",
