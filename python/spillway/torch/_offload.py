@@ -148,14 +148,28 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+_needed_grads: List[str] = []  # parameters a running backward found offloaded for inference
+
+
+def _raise_needed_grads() -> None:
+    names, _needed_grads[:] = list(dict.fromkeys(_needed_grads)), []
+    shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+    raise StateError(
+        f"spillway.torch: backward needs the gradient of {shown}, parameters that require grad but were "
+        "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
+        "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable the "
+        "adapters): trainable parameters of a model with frozen weights stay resident. For inference, run "
+        "under torch.no_grad() or torch.inference_mode().")
+
+
 def _needs_grad(name: str) -> Any:
+    """A hook on the device tensor of an offloaded trainable parameter: the backward that reaches
+    it fails once it has run to its end (raising inside the backward would leave its remaining
+    nodes to the thread's exit, where torch 1.x needs the interpreter lock to free them)."""
     def hook(grad: torch.Tensor) -> None:
-        raise StateError(
-            f"spillway.torch: backward needs the gradient of {name!r}, a parameter that requires grad but was "
-            "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
-            "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable "
-            "the adapters): trainable parameters of a model with frozen weights stay resident. For inference, "
-            "run under torch.no_grad() or torch.inference_mode().")
+        if not _needed_grads:
+            torch.autograd.Variable._execution_engine.queue_callback(_raise_needed_grads)
+        _needed_grads.append(name)
     return hook
 
 
@@ -334,6 +348,10 @@ class Offload:
         self._needs = needs
         self._trainable = list(trainable.values())
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
+        # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the
+        # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
+        # wait for the interpreter lock in its destructor, and the exit hangs).
+        self._grad_hooks: List[Any] = []
         # (module, whether its forward was an instance attribute, that attribute): see _wrap_forward
         self._wrapped: List[Tuple[nn.Module, bool, Any]] = []
         self._ctx_handle = self.context._handle
@@ -422,7 +440,7 @@ class Offload:
             for e, d in zip(u.entries, devs):
                 if e.tensor.requires_grad:  # offloaded for inference: a backward that needs it says so
                     d.requires_grad_(True)
-                    d.register_hook(_needs_grad(e.name))
+                    self._grad_hooks.append(d.register_hook(_needs_grad(e.name)))
         slots, bufs = u.slot_plan
         return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
                 tuple((u.entries[i].tensor, devs[i]) for i in bufs))
@@ -1024,6 +1042,9 @@ class Offload:
             u.host_pairs = ()
             u.dev_set, u.dev_sets = None, {}
             u.dev_at = 0
+        for h in getattr(self, "_grad_hooks", ()):
+            h.remove()
+        self._grad_hooks = []
         for p, orig in self._moved_trainable:
             p.data = p.data.to(orig)
         self._moved_trainable = []

@@ -7,7 +7,8 @@ tensors fit `hi` bytes is one unit with everything below it; a larger one is spl
 children, recursively (its own tensors form a unit of their own, held while it runs; a module
 whose tensors are all its own is one unit whatever its size), and runs
 of neighbouring children below `lo` bytes are grouped into one unit, which each of them acquires
-(the first acquire uploads it, the others find it resident). Whatever the shape: decoder stacks,
+(the first acquire uploads it, the others find it resident). A container that is never called
+(ModuleList, ModuleDict) is always split: the modules in it are what runs. Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
 No spillway calls here, and nothing moves.
 """
@@ -56,7 +57,7 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
     seen: Set[int] = set()
 
     def visit(m: nn.Module) -> None:
-        if size[id(m)] <= hi or not any(size[id(c)] for c in m.children()):
+        if _called(m) and (size[id(m)] <= hi or not any(size[id(c)] for c in m.children())):
             groups.append([m])  # fits, or cannot be split (its tensors are all its own)
             return
         run: Group = []
@@ -72,7 +73,7 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
             n = size[id(c)]
             if n == 0:
                 continue
-            if n > hi:
+            if n > hi or not _called(c):
                 flush()
                 visit(c)
             elif n >= lo:
@@ -90,6 +91,12 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
     seen.add(id(module))
     visit(module)
     return groups
+
+
+def _called(m: nn.Module) -> bool:
+    """Whether m is run through its own forward: a ModuleList or ModuleDict only holds modules
+    (its parent calls them one by one), so its units are its children's."""
+    return not isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is not nn.Module.forward
 
 
 def _distinct(mods: Iterable[nn.Module], seen: Set[int]) -> List[nn.Module]:
