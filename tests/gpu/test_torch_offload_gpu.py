@@ -197,7 +197,8 @@ def test_llama_forward_and_generate_equal():
         want = ref(ids).logits
         want_gen = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     off = spt.offload(model, budget="8MiB", **CUDA)  # below the ~11 MiB of weights
-    assert [u.name for u in off.units][:4] == [f"model.layers.{i}" for i in range(4)]
+    names = [u.name for u in off.units]
+    assert all(any(n.startswith(f"model.layers.{i}") for n in names) for i in range(4))  # layer by layer
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = moved(off, lambda: model(ids).logits)
