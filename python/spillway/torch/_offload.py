@@ -3,8 +3,10 @@ block by block as the forward pass reaches them.
 
 How it works, and the contracts it keeps:
 
-- Units. By default each child of the module's largest nn.ModuleList/nn.Sequential (by bytes) is
-  a block; every other module with its own parameters or buffers is a unit of its own. A unit's
+- Units. By default they come from the module tree and the budget (_partition.py): a module whose
+  tensors fit a quarter of the budget is one unit, a larger one is split into its children, runs
+  of small neighbours form one unit; blocks=[...] names them instead. Every other module with
+  parameters or buffers of its own is a unit of its own. A unit's
   tensors are packed contiguously (256-byte aligned) into ONE page-aligned CPU tensor that is
   registered as the host copy of ONE read-only spillway buffer (spw_buf_register_host: no second
   host copy). Between forwards every offloaded tensor is a CPU view of that pack, so
@@ -73,7 +75,7 @@ from .. import errors as _errors
 from . import _alloc, _partition
 from ._errors import OutOfMemoryError
 from ._saved import _Saved, saving
-from ._units import (_DevSet, _Unit, _align, _columns, _default_blocks, _held_together, _module_names, _param_owners,
+from ._units import (_DevSet, _Unit, _align, _columns, _held_together, _module_names, _param_owners,
                      _plan_units, _storage_at)
 
 _lib_c = _lib.lib
@@ -98,7 +100,8 @@ def _reserve(total: int) -> int:
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
 # worth of places (16 in a 2 GiB budget of 128 MiB blocks, where 8 sets re-pointed every streamed
-# unit every pass). A set costs empty tensors; a re-point, 10-40 us of a hook on the H200.
+# unit every pass). A set costs empty tensors; a re-point costs a hook a storage and a Tensor.set_
+# per tensor (bench/RESULTS.md).
 _DEV_SETS = 32
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 
@@ -107,12 +110,10 @@ def _large_page(sizes: Iterable[int]) -> int:
     """The default vmm_large_page for units of these sizes: the largest power of two up to 1 GiB
     for which rounding every unit above 1 MiB (those the large-block arena holds) up to whole
     pages adds at most 1/32 of their bytes, else the 2 MiB granularity. A copy costs the host
-    time per physical allocation it spans, so fewer pages make acquires cheaper (H200, 128 MiB
-    units: spw_acquire p50 10 us in 128 MiB pages against 15-17 us in 32 MiB ones; 416 MiB
-    layers: 37 us in 8 MiB pages against 73 us in 2 MiB ones). The bound on the rounding keeps
-    pages that units only partly fill rare: the arena cannot give those back when another size
-    needs the room, and waits for the GPU to trim instead (measured: prefill of 416 MiB layers
-    and 250 MiB embeddings under 32 MiB pages spent 100 ms in single acquires)."""
+    time per physical allocation it spans, so fewer pages make acquires cheaper (bench/RESULTS.md
+    has the figures). The bound on the rounding keeps pages that units only partly fill rare: the
+    arena cannot give those back when another size needs the room, and waits for the GPU to trim
+    instead, inside an acquire."""
     large = [n for n in sizes if n > (1 << 20)]
     total = sum(large)
     page = _ARENA_PAGE
@@ -309,9 +310,8 @@ class Offload:
         largest = max(units, key=lambda u: u.nbytes)
         self.groups = len(groups)
         # Large units are mapped in large pages: a copy is split at every physical allocation under
-        # it, and enqueuing a 416 MiB upload into 2 MiB pages costs 84 us of host time against 16 us
-        # into 32 MiB pages and 9 us into one allocation (H200). A page is never larger than the
-        # largest unit.
+        # it, and each piece costs the enqueuing host time. A page is never larger than the largest
+        # unit.
         page = _ARENA_PAGE
         if shared is None:
             ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
@@ -434,7 +434,7 @@ class Offload:
     def _new_set(self, u: _Unit) -> _DevSet:
         """A set of device tensors for u, pointing nowhere yet: normal tensors (not inference
         tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
-        inference_mode(False) switch (16 of a re-point's 41 us on the H200)."""
+        inference_mode(False) switch (a large part of a re-point's cost otherwise)."""
         with torch.inference_mode(False):
             devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
             for e, d in zip(u.entries, devs):
@@ -506,8 +506,8 @@ class Offload:
     # map() of dict stores, a release the reverse: the functions are bound at offload(), a
     # unit's device tensors are made once per address it comes to (up to _DEV_SETS, then
     # re-pointed), and the wrappers make no tensor for a unit of parameters whose module
-    # returns one tensor. Inside an H200 forward every distinct piece of code a wrapper runs
-    # is cold (a layer's worth of torch ran since), so the common case is written out in one
+    # returns one tensor. Inside a forward every distinct piece of code a wrapper runs is cold
+    # (a layer's worth of torch ran since), so the common case is written out in one
     # frame (_block_forward) rather than through _acquire and _release.
     def _stream_function(self) -> Any:
         """index -> the raw stream acquires run on: torch's current stream of that device on

@@ -1,5 +1,5 @@
 """The units spillway.torch.offload is made of: the tensors of a block or module packed into one
-buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), how the default blocks are found (_default_blocks) and how
+buffer (_Unit, _Entry), storage over an acquired unit's device memory (_storage_at), and how
 a module's tensors are divided into units (_plan_units). No spillway calls here: _offload.py
 moves the units.
 """
@@ -128,7 +128,7 @@ class _Unit:
 # tensor, outside it the parameter (whose .data is its host view), so the swap is a dict store
 # and not a .data assignment (a C call that checks and copies the tensor's metadata). Columns,
 # so that a hook swaps them with one map() over operator.setitem: a loop run in C, where the
-# same loop in Python bytecode cost the H200's hooks more (the interpreter's own code is cold by
+# same loop in Python bytecode costs the hooks more (the interpreter's own code is cold by
 # the time a hook runs, after a layer's worth of torch).
 # buffer_pairs: (buffer, device tensor) for each buffer entry: buffers keep their identity (.data
 # is swapped), since modules alias them (a rotary table kept as a plain attribute too) and
@@ -156,27 +156,6 @@ def _param_owners(module: nn.Module) -> Dict[int, List[Tuple[Dict[str, Any], str
 
 def _module_names(module: nn.Module) -> Dict[int, str]:
     return {id(m): (n or type(module).__name__) for n, m in module.named_modules(remove_duplicate=False)}
-
-
-def _default_blocks(module: nn.Module) -> List[nn.Module]:
-    """The children of the largest nn.ModuleList/nn.Sequential, by parameter and buffer bytes."""
-    best: Optional[nn.Module] = None
-    best_key = (0, 0)
-    for m in module.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
-            nbytes = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-            key = (nbytes, len(m))
-            if key > best_key:
-                best, best_key = m, key
-    if best is None:
-        return []
-    seen: set = set()
-    out = []
-    for child in best.children():
-        if id(child) not in seen:
-            seen.add(id(child))
-            out.append(child)
-    return out
 
 
 def _group_name(group: List[nn.Module], names: Dict[int, str]) -> str:
