@@ -194,7 +194,11 @@ def test_offload_shares_the_budget_and_is_evicted_before_a_refusal():
     assert st["evictions_clean.total"] >= 2
     assert st["tensors.current"] == 14 * MiB
     assert st["held.peak"] <= 24 * MiB
+    before = off.context.stats()["bytes_h2d"]["total"]
     assert torch.equal(m(x), ref(x))  # weights come back one unit at a time within the budget
+    moved = off.context.stats()["bytes_h2d"]["total"] - before
+    weights = sum(u.nbytes for u in off.units)
+    assert moved >= weights - (24 - 14) * MiB  # the room beside the KV cache holds two units at most
     text = spt.memory_summary(0)
     assert "tensors           14.00 MiB" in text and "offloaded weights" in text
     # a torch allocation that cannot fit even with every weight evicted is refused
