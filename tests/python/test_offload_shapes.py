@@ -388,3 +388,20 @@ def test_bad_input_is_a_clear_error_before_anything_moves():
         spt.offload(m, budget="16MiB", blocks=[nn.Linear(2, 2)], backend="emu")
     assert all("forward" not in s.__dict__ for s in m.modules())
     assert all(p.device.type == "cpu" and p.data_ptr() for p in m.parameters())
+
+
+def test_torch_transformer_layers_that_read_their_childrens_weights_stay_whole():
+    """nn.TransformerEncoderLayer in eval runs torch's fused path, which reads linear1.weight,
+    self_attn.out_proj.weight, ... itself: a layer is never split into its children (whose hooks
+    would never run), whatever the budget."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
+    m = nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 16, 256)
+    off = spt.offload(m, budget="8MiB", backend="emu")  # a layer (3 MiB) is above a quarter of it
+    assert sum(u.name.startswith("layers.") and u.name.count(".") == 1 for u in off.units) == 8
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    off.remove()

@@ -8,7 +8,10 @@ children, recursively (its own tensors form a unit of their own, held while it r
 whose tensors are all its own is one unit whatever its size), and runs
 of neighbouring children below `lo` bytes are grouped into one unit, which each of them acquires
 (the first acquire uploads it, the others find it resident). A container that is never called
-(ModuleList, ModuleDict) is always split: the modules in it are what runs. Whatever the shape: decoder stacks,
+(ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
+reads its children's weights itself (torch's MultiheadAttention and transformer layers) is never
+split. Weights a parent's own code reads from a child (F.linear(x, self.proj.weight)) are not
+seen by the child's hook: such a parent must be one unit (blocks=[...]). Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
 No spillway calls here, and nothing moves.
 """
@@ -20,7 +23,10 @@ from torch import nn
 
 Group = List[nn.Module]  # modules whose tensors form one unit
 
-_LO_MAX = 64 << 20  # units of this size already make a hook's host time a small part of the upload
+_LO_MAX = 64 << 20
+# Modules whose forward reads their children's weights directly (torch's fused attention and
+# transformer-layer paths take out_proj.weight, linear1.weight, ...): never split from them.
+_ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)  # units of this size already make a hook's host time a small part of the upload
 
 
 def bounds(budget: int) -> "tuple[int, int]":
@@ -57,8 +63,8 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
     seen: Set[int] = set()
 
     def visit(m: nn.Module) -> None:
-        if _called(m) and (size[id(m)] <= hi or not any(size[id(c)] for c in m.children())):
-            groups.append([m])  # fits, or cannot be split (its tensors are all its own)
+        if _called(m) and (size[id(m)] <= hi or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())):
+            groups.append([m])  # fits, or cannot be split (its tensors are all its own, or it reads its children's)
             return
         run: Group = []
         run_bytes = 0
