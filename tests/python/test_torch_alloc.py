@@ -425,3 +425,16 @@ def test_the_reclaim_hook_cycles_only_when_blocks_await_and_never_waits_for_the_
     _alloc._reclaim(0)
     assert _alloc._cycles["count"] == calls_before + 1 and ("end", 0, (0, 1)) in calls
     tfree(p, MiB, 0)
+
+
+def test_without_cuda_auto_says_it_caps_nothing_and_weights_use_plan():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: auto picks it")
+    with pytest.warns(RuntimeWarning, match="no CUDA device.*nothing they allocate is capped"):
+        spt.use_allocator("24MiB", emu_capacity="256MiB")
+    m = make_stack(dim=1000, depth=4).requires_grad_(False)
+    off = spt.offload(m, backend="emu")  # no budget: the allocator's
+    assert off.context is spt.context(0) and off.context.budget == 24 * MiB
+    assert off.budget_source == "shared"
+    assert "policy plan" in spt.memory_summary(0)
+    off.remove()

@@ -57,6 +57,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -579,6 +580,12 @@ def use_allocator(budget: Union[int, str, Dict[int, Union[int, str]], None] = No
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "emu"
         options["backend"] = backend
+        if backend == "emu":
+            warnings.warn("spillway.torch.use_allocator: no CUDA device (torch.cuda.is_available() is False): "
+                          "PyTorch's tensors are not routed and nothing they allocate is capped; the contexts "
+                          "are emulated (pass backend='emu' to ask for that)", RuntimeWarning, stacklevel=2)
+    # Offloaded weights in these contexts are stepped and learned by the plan policy unless asked.
+    options.setdefault("policy", "plan")
     conf = _conf_text(budget, options)
     with _lock:
         if _active is not None and not _active.closed:
