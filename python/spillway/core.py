@@ -76,6 +76,15 @@ def parse_budget(budget: Any, who: str) -> Union[int, str]:
     return int(nbytes.value)
 
 
+def budget_bytes(budget: Union[int, str], device_total: int) -> int:
+    """A parse_budget result in bytes: "N%" resolved by the library against device_total."""
+    if isinstance(budget, int):
+        return budget
+    nbytes = ctypes.c_uint64()
+    check(lib.spw_parse_budget(budget.encode(), device_total, ctypes.byref(nbytes), None))
+    return int(nbytes.value)
+
+
 def format_size(n: int) -> str:
     """Bytes as the library prints them: "512 B", else two decimals of KiB, MiB, GiB or TiB
     ("1.50 GiB")."""

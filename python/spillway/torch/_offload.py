@@ -63,13 +63,13 @@ import operator
 import os
 import time
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context, format_size, parse_budget, parse_size
+from ..core import Context, budget_bytes, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc, _partition
@@ -145,6 +145,47 @@ def _active(module: nn.Module) -> bool:
     return off is not None and not off._closed
 
 
+def _resolve_device(backend: str, device: Any) -> Tuple[str, torch.device]:
+    """(backend, device) for offload's backend and device arguments: "auto" is cuda where torch
+    has a device, emu runs on CPU tensors, a cuda device without an index is the current one."""
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "emu"
+    if backend not in ("cuda", "emu"):
+        raise ConfigError(f"offload: backend must be 'auto', 'cuda' or 'emu', got {backend!r}")
+    if backend == "emu":
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dev.type != "cpu":
+            raise ConfigError(f"offload: backend 'emu' runs on CPU tensors; device {dev} is not 'cpu'")
+        return backend, dev
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        raise ConfigError(f"offload: backend 'cuda' needs a cuda device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return backend, dev
+
+
+def _device_memory(backend: str, dev: torch.device, tensors: Iterable[torch.Tensor],
+                   ctx_opts: Dict[str, Any]) -> Tuple[int, int]:
+    """(free, total) device bytes for a context of offloaded tensors: free counts those already
+    on dev (they leave it for their host copy). On CUDA ctx_opts gets the device index and the
+    prefetch worker (under plan most of the hooks' C time is enqueuing the next unit's upload and
+    the last-use event, which the worker issues instead: bench/RESULTS.md), unless SPILLWAY_CONF
+    or the call says otherwise; on emu the device is emu_capacity."""
+    if backend == "emu":
+        try:
+            free = parse_size(ctx_opts.get("emu_capacity", "80GiB"))
+        except _errors.Error as e:
+            raise ConfigError(f"offload: option 'emu_capacity': {e.message}") from None
+        return free, free
+    free, total = torch.cuda.mem_get_info(dev)
+    free += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t.device == dev)
+    ctx_opts.setdefault("device", dev.index)
+    if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
+        ctx_opts["prefetch_thread"] = "on"
+    return free, total
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -202,21 +243,7 @@ class Offload:
                 raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
         budget_v = None if budget is None else parse_budget(budget, "offload")
 
-        backend = options.pop("backend", "auto")
-        if backend == "auto":
-            backend = "cuda" if torch.cuda.is_available() else "emu"
-        if backend not in ("cuda", "emu"):
-            raise ConfigError(f"offload: backend must be 'auto', 'cuda' or 'emu', got {backend!r}")
-        if backend == "emu":
-            dev = torch.device("cpu") if device is None else torch.device(device)
-            if dev.type != "cpu":
-                raise ConfigError(f"offload: backend 'emu' runs on CPU tensors; device {dev} is not 'cpu'")
-        else:
-            dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-            if dev.type != "cuda":
-                raise ConfigError(f"offload: backend 'cuda' needs a cuda device, got {dev}")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
+        backend, dev = _resolve_device(options.pop("backend", "auto"), device)
         self.module = module
         self.device = dev
         self.backend = backend
@@ -252,31 +279,10 @@ class Offload:
         ctx_opts = dict(options)
         if trace:
             ctx_opts["trace"] = str(trace)
-        tensors = {id(t): t for t in params + list(module.buffers()) if id(t) not in kept}
-        if backend == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            # weights already on this device leave it when they move to the host copy
-            free += sum(t.numel() * t.element_size() for t in tensors.values() if t.device == dev)
-            ctx_opts.setdefault("device", dev.index)
-            # Under plan most of the hooks' C time is enqueuing the next unit's upload (acquire)
-            # and the last-use event (release); the library's worker thread issues both
-            # (bench/RESULTS.md). SPILLWAY_CONF or the call may still say off.
-            if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
-                ctx_opts["prefetch_thread"] = "on"
-        else:
-            cap = ctx_opts.get("emu_capacity", "80GiB")
-            try:
-                free = total = parse_size(cap)
-            except _errors.Error as e:
-                raise ConfigError(f"offload: option 'emu_capacity': {e.message}") from None
-        if isinstance(budget_v, str):  # a percentage of the device
-            try:
-                pct = float(budget_v[:-1])
-            except ValueError:
-                raise ConfigError(f"offload: bad budget {budget!r}") from None
-            if not 0 < pct <= 100:
-                raise ConfigError(f"offload: budget {budget!r} must be between 0% and 100%")
-            budget_v = int(total * pct / 100)
+        free, total = _device_memory(backend, dev, (t for t in params + list(module.buffers()) if id(t) not in kept),
+                                     ctx_opts)
+        if budget_v is not None:
+            budget_v = budget_bytes(budget_v, total)
         # Under use_allocator (or in a pipeline) the weights draw on one context of this device.
         shared = context if context is not None else _alloc.shared_context(dev, backend)
         self.budget_source = "given"

@@ -6,16 +6,15 @@ are the first the policy evicts.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ..core import Context, format_size, parse_budget, parse_size
+from ..core import Context, budget_bytes, format_size, parse_budget
 from ..errors import ConfigError, InvalidArgument
 from . import _alloc
-from ._offload import Offload, _reserve
+from ._offload import Offload, _device_memory, _reserve, _resolve_device
 
 
 def modules_of(obj: Any) -> List[Tuple[str, nn.Module]]:
@@ -114,17 +113,7 @@ def offload_all(obj: Any, budget: Any = None, policy: str = "plan", device: Any 
     use_allocator's, or the device's free memory less the reserve offload() takes). Returns an
     Offloads handle; on any error nothing is offloaded."""
     mods = modules_of(obj)
-    backend = options.pop("backend", "auto")
-    if backend == "auto":
-        backend = "cuda" if torch.cuda.is_available() else "emu"
-    if backend not in ("cuda", "emu"):
-        raise ConfigError(f"offload: backend must be 'auto', 'cuda' or 'emu', got {backend!r}")
-    if backend == "cuda":
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu") if device is None else torch.device(device)
+    backend, dev = _resolve_device(options.pop("backend", "auto"), device)
     ctx_opts = dict(options)
     if trace:
         ctx_opts["trace"] = str(trace)
@@ -134,20 +123,10 @@ def offload_all(obj: Any, budget: Any = None, policy: str = "plan", device: Any 
         ctx, source = shared, "shared"
     else:
         budget_v = None if budget is None else parse_budget(budget, "offload")
-        if backend == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            seen: Dict[int, torch.Tensor] = {}
-            for _, m in mods:
-                for t in list(m.parameters()) + list(m.buffers()):
-                    seen[id(t)] = t
-            free += sum(t.numel() * t.element_size() for t in seen.values() if t.device == dev)
-            ctx_opts.setdefault("device", dev.index)
-            if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
-                ctx_opts["prefetch_thread"] = "on"
-        else:
-            free = total = parse_size(ctx_opts.get("emu_capacity", "80GiB"))
-        if isinstance(budget_v, str):
-            budget_v = int(total * float(budget_v[:-1]) / 100)
+        free, total = _device_memory(backend, dev, (t for _, m in mods for t in list(m.parameters()) + list(m.buffers())),
+                                     ctx_opts)
+        if budget_v is not None:
+            budget_v = budget_bytes(budget_v, total)
         if budget_v is None:
             reserve, source = _reserve(total), "default"
             budget_v = free - reserve
