@@ -24,7 +24,7 @@ import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import frozen, greedy, make_decoder, make_stack, moved, same  # noqa: E402
+from models import check_backward_composes, frozen, greedy, make_decoder, make_stack, moved, same  # noqa: E402
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device())
@@ -253,46 +253,8 @@ def test_plan_prefetch_from_the_worker_thread(worker):
     off.remove()
 
 
-class Checkpointed(nn.Module):
-    """Blocks run under torch.utils.checkpoint: their saved tensors belong to checkpoint's hooks
-    in forward, and their recomputation in backward calls the offloaded blocks again."""
-
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6))
-        self.a = nn.Parameter(torch.randn(1024, 8) * 0.02)
-        self.reentrant = reentrant
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        for b in self.blocks:
-            x = checkpoint(lambda h, b=b: torch.tanh(b(h)) + h @ self.a @ self.a.t(), x,
-                           use_reentrant=self.reentrant)
-        return x
-
-
 @pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
 def test_backward_composes_with_other_saved_tensor_hooks(how):
     """Activation checkpointing (both kinds) inside the offloaded model and save_on_cpu around
     it keep their role beside offload()'s saved-tensor records: gradients bitwise equal."""
-    torch.manual_seed(0)
-    m = Checkpointed(reentrant=how == "checkpoint-reentrant").to(DEV)
-    for b in m.blocks:
-        b.requires_grad_(False)
-    ref = copy.deepcopy(m)
-    x = torch.randn(4, 1024, device=DEV, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    off = spt.offload(m, budget="10MiB", **CUDA)  # 24 MiB of weights
-    for _ in range(2):
-        if how == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                loss = moved(off, lambda: m(x).square().mean())
-        else:
-            loss = moved(off, lambda: m(x).square().mean())
-        want = ref(xr).square().mean()
-        assert torch.equal(loss, want)
-        loss.backward()
-        want.backward()
-        assert torch.equal(m.a.grad, ref.a.grad) and torch.equal(x.grad, xr.grad)
-        m.a.grad = ref.a.grad = x.grad = xr.grad = None
-    off.remove()
+    check_backward_composes(how, DEV, **CUDA)

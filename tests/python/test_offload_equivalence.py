@@ -17,7 +17,6 @@ import copy
 import math
 import os
 import random
-from typing import List, Optional
 
 import pytest
 import torch
