@@ -70,6 +70,14 @@ static void SPW_OK_NAME(widen_f16_)(float *restrict out, const uint16_t *restric
     }
 }
 
+/* a bf16 or fp16 gradient block, widened to fp32 */
+static void SPW_OK_NAME(widen_)(spw_optim_dtype dtype, float *restrict out, const uint16_t *restrict in, size_t n) {
+    if (dtype == SPW_OPTIM_BF16)
+        SPW_OK_NAME(widen_bf16_)(out, in, n);
+    else
+        SPW_OK_NAME(widen_f16_)(out, in, n);
+}
+
 /* torch.maximum: NaN when either operand is NaN. */
 SPW_INLINE float spw_ok_nanmax(float a, float b) {
     float r = a > b ? a : b;
@@ -138,10 +146,7 @@ void SPW_OK_NAME(spw__adam_kernel_)(const spw__adam_coef *c, const spw_adam_tens
     float gbuf[SPW_OPTIM_BLOCK];
     for (size_t off = 0; off < n; off += SPW_OPTIM_BLOCK) {
         size_t k = n - off < SPW_OPTIM_BLOCK ? n - off : SPW_OPTIM_BLOCK;
-        if (t->grad_dtype == SPW_OPTIM_BF16)
-            SPW_OK_NAME(widen_bf16_)(gbuf, g16 + off, k);
-        else
-            SPW_OK_NAME(widen_f16_)(gbuf, g16 + off, k);
+        SPW_OK_NAME(widen_)(t->grad_dtype, gbuf, g16 + off, k);
         SPW_OK_NAME(adam_f32_)(c, p + off, gbuf, m + off, v + off, vmax ? vmax + off : NULL, k);
     }
 }
@@ -197,10 +202,7 @@ void SPW_OK_NAME(spw__sgd_kernel_)(const spw__sgd_coef *c, const spw_sgd_tensor 
     float gbuf[SPW_OPTIM_BLOCK];
     for (size_t off = 0; off < n; off += SPW_OPTIM_BLOCK) {
         size_t k = n - off < SPW_OPTIM_BLOCK ? n - off : SPW_OPTIM_BLOCK;
-        if (t->grad_dtype == SPW_OPTIM_BF16)
-            SPW_OK_NAME(widen_bf16_)(gbuf, g16 + off, k);
-        else
-            SPW_OK_NAME(widen_f16_)(gbuf, g16 + off, k);
+        SPW_OK_NAME(widen_)(t->grad_dtype, gbuf, g16 + off, k);
         SPW_OK_NAME(sgd_f32_)(c, p + off, gbuf, buf ? buf + off : NULL, k);
     }
 }
