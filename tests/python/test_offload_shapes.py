@@ -359,6 +359,7 @@ def test_parameters_that_require_grad_are_offloaded_for_inference():
     x = torch.randn(3, 1024)
     off = spt.offload(m, emu_capacity="24MiB", backend="emu")
     assert offloaded_bytes(off) > 24 * MiB  # everything was offloaded, nothing kept resident
+    assert off._trainable == [] and "kept resident" not in off.summary()
     assert all(p.requires_grad for p in m.parameters())
     with torch.no_grad():
         assert torch.equal(moved(off, lambda: m(x)), ref(x))

@@ -273,7 +273,6 @@ class Offload:
         if offload_trainable is None:
             offload_trainable = len(trainable) == len({id(p) for p in params})
         kept = {} if offload_trainable else trainable
-        self._offloaded_trainable = len(trainable) if offload_trainable else 0
 
         # ---- the budget: given, shared with use_allocator, or the device's free memory less a reserve ----
         ctx_opts = dict(options)
@@ -314,7 +313,6 @@ class Offload:
                 "grad, and trainable parameters stay resident. Freeze the weights first "
                 "(module.requires_grad_(False)), keeping only adapters trainable")
         largest = max(units, key=lambda u: u.nbytes)
-        self.groups = len(groups)
         # Large units are mapped in large pages: a copy is split at every physical allocation under
         # it, and each piece costs the enqueuing host time. A page is never larger than the largest
         # unit.
@@ -352,7 +350,7 @@ class Offload:
 
         self.units = units
         self._needs = needs
-        self._trainable = list(trainable.values())
+        self._trainable = list(kept.values())  # the trainable parameters that stay resident
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
         # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the
         # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
