@@ -96,6 +96,7 @@ static spool *pool_get(spw_arena *a, spw_stream s, bool create) {
 static void carve(spw_arena *a, spw_block *b, size_t n, spool *p) {
     b->pool = p;
     b->state = B_LIVE;
+    b->owner = NULL;
     if (!a->p.whole && b->size - n >= ROUND) {
         spw_block *t = split_tail(a, b, n, B_FREE, NULL);
         if (t) {
@@ -112,6 +113,7 @@ static void carve(spw_arena *a, spw_block *b, size_t n, spool *p) {
 /* Insert a FREE block into pool p, coalescing with FREE neighbours of the same pool. */
 static spw_block *free_coalesce(spw_arena *a, spw_block *b, spool *p) {
     b->state = B_FREE;
+    b->owner = NULL;
     b->pool = p;
     if (b->next && b->next->state == B_FREE && b->next->pool == p) {
         bin_remove(p, b->next);
@@ -193,6 +195,7 @@ void spw__arena_destroy(spw_arena *a) {
         free(a->pools[i]);
     }
     free(a->pools);
+    free(a->ranks);
     for (spw_block *b = a->spare, *bn; b; b = bn) {
         bn = b->fnext;
         free(b);
@@ -450,6 +453,16 @@ spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s) {
     if (st) return st;
     free_coalesce(a, b, p);
     return SPW_OK;
+}
+
+bool spw__arena_fits(spw_arena *a, size_t bytes, spw_stream s) {
+    size_t n = SPW_ALIGN_UP(bytes, ROUND);
+    for (size_t i = 0; i < a->npools; i++)
+        if (pool_fit(a, a->pools[i], n)) return true;
+    if (!a->p.vmm) return can_hold(a, segment_size(a, n));
+    spool *p = pool_get(a, s, false); /* NULL (no pool yet): only holes can serve */
+    placement pl;
+    return place_vmm(a, p, n, &pl) && can_hold(a, pl.map_bytes);
 }
 
 /* Would mapping `more` bytes leave more cached memory than the fragmentation slack allows? */

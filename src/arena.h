@@ -84,6 +84,21 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
  * where one hole can take them. Other arenas: nothing. */
 spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s);
 size_t spw__arena_largest_free(const spw_arena *a);
+/* Whether spw__arena_alloc could serve `bytes` on stream s without returning cached memory to
+ * the backend: from a cached block, or (VMM) by mapping pages within the budget. */
+bool spw__arena_fits(spw_arena *a, size_t bytes, spw_stream s);
+/* A live block's worth as room (arena_window.c): 0 when it must stay, else higher for a block
+ * that is better given up. `owner` is what spw__block_set_owner recorded. */
+typedef uint64_t (*spw_arena_rank)(void *u, void *owner);
+/* VMM: the owners (at most max) of the live blocks to give up so that one run of adjacent blocks,
+ * each cached in s's pool or live with an owner that rank() puts above 0, holds `bytes`: of all
+ * such runs, the one whose lowest-ranked block ranks highest, then the one with the fewest live
+ * bytes. Returns how many were written to owners; 0 when no run exists (and on other arenas).
+ * Nothing changes: the caller frees the blocks into s's pool, where they coalesce. */
+size_t spw__arena_window(spw_arena *a, size_t bytes, spw_stream s, spw_arena_rank rank, void *u, void **owners,
+                         size_t max);
+/* Record what holds live block b (NULL: nothing a window may give up); cleared when b is freed. */
+void spw__block_set_owner(spw_block *b, void *owner);
 /* Stream s (already synchronized) is about to be destroyed: its free blocks move to the default
  * stream's pool and nothing will wait on or synchronize it again. */
 spw_status spw__arena_retire_stream(spw_arena *a, spw_stream s);

@@ -31,6 +31,7 @@ struct spw_block {
     spool *pool;
     int bin;
     bstate state;
+    void *owner; /* LIVE: what the block's user said holds it (spw__block_set_owner), else NULL */
 };
 
 /* One stream's free blocks, binned by size. */
@@ -68,6 +69,8 @@ struct spw_arena {
     size_t held;        /* bytes mapped or allocated from the backend by this arena */
     owed owed[SPW_ARENA_OWED_MAX];
     int nowed;
+    uint64_t *ranks;    /* arena_window.c's scratch: one rank a block */
+    size_t nranks;
 };
 
 static inline size_t page_floor(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_DOWN(x, a->p.page); }

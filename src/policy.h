@@ -77,6 +77,13 @@ typedef struct spw_policy_ops {
      * buffer that is not evictable, so a wrong answer can never loop. */
     spw_buf *(*choose_victim)(spw_policy *p, size_t need, spw_buf *incoming, int for_prefetch);
 
+    /* How good a victim b is for the same room, as choose_victim weighs it: 0 when b must not be
+     * evicted for it, else higher for a better victim (choose_victim's own answer ranks
+     * highest). The engine asks it, after choose_victim gave an answer, to empty one run of
+     * adjacent device blocks instead of scattered ones, so that an upload needs no trim (which
+     * waits for the device on the host). NULL: the engine evicts choose_victim's answers only. */
+    uint64_t (*rank_victim)(spw_policy *p, spw_buf *b, spw_buf *incoming, int for_prefetch);
+
     /* Called before a dirty buffer is evicted. Return 0 to drop its contents instead of writing
      * them back: the engine then treats the buffer exactly as after spw_discard (dead). Only a
      * policy that KNOWS the next access overwrites everything (mode WRITE) or that there is no

@@ -75,6 +75,12 @@ static spw_buf *lru_choose_victim(spw_policy *p, size_t need, spw_buf *incoming,
     return NULL;
 }
 
+static uint64_t lru_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, int for_prefetch) {
+    (void)incoming, (void)for_prefetch;
+    spw_policy_node *n = spw__pol_node(b);
+    return n->listed && spw__pol_evictable(b) ? p->clock - n->stamp + 1 : 0; /* older ranks higher */
+}
+
 const spw_policy_ops spw__policy_lru = {
     .name = "lru",
     .create = lru_create,
@@ -85,4 +91,5 @@ const spw_policy_ops spw__policy_lru = {
     .on_resident = lru_on_resident,
     .on_evicted = lru_on_evicted,
     .choose_victim = lru_choose_victim,
+    .rank_victim = lru_rank_victim,
 };

@@ -209,6 +209,7 @@ static void plan_on_create(spw_policy *p, spw_buf *b) {
 
 static void plan_on_destroy(spw_policy *p, spw_buf *b) {
     spw__policy_lru.on_destroy(p->lru, b);
+    p->rk_set = false;
     kbuf *k = kb_of(b);
     if (!k) return;
     if (k->early) p->early--;
@@ -299,6 +300,7 @@ static void tune_early(spw_policy *p, uint64_t now) {
 }
 
 static void plan_step_end(spw_policy *p) {
+    p->rk_set = false;
     if (!p->in_step) return;
     p->in_step = false;
     bool exact = p->following && p->cursor == p->nplan && p->nrec == p->nplan;
@@ -492,6 +494,37 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
     return best;
 }
 
+static uint64_t plan_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, int for_prefetch) {
+    if (!predicting(p) && !p->rebasing && !p->taking_up)
+        return spw__policy_lru.rank_victim(p->lru, b, incoming, for_prefetch);
+    if (b == incoming || !spw__pol_evictable(b) || (p->ahead && spw__pol_dirty(b))) return 0;
+    kbuf *k = kb_of(b);
+    spw_access mode = SPW_ACCESS_READ;
+    uint64_t d = distance(p, b, &mode);
+    uint64_t r = d >= FAR - 2 ? FAR : d + 2; /* 1 is the last resort below */
+    /* as farthest(): a victim that costs a write-back is worth one nearly as distant that does not */
+    if (spw__pol_dirty(b) && !(d != FAR && mode == SPW_ACCESS_WRITE)) r = SPW_MAX(r - r / FREE_VICTIM_SLACK - 1, 2);
+    if (p->rebasing) return k && k->target ? 0 : r;
+    if (p->taking_up) return k && k->fixed ? 0 : r;
+    if (for_prefetch && !p->pf_own && (p->early_max == PF_OFF || p->early_max == PF_SLOT)) return 0;
+    bool split = fixed_pipeline(p->early_max);
+    if (split && k && k->fixed) return for_prefetch ? 0 : 1; /* as choose_victim: the split's last resort */
+    if (for_prefetch) {
+        /* choose_victim's test, its figures computed once for every block of a window search */
+        bool no_floor = p->pf_early || split;
+        if (!p->rk_set || p->rk_in != incoming || p->rk_cursor != p->cursor || p->rk_pf_own != p->pf_own ||
+            p->rk_pf_floor != p->pf_floor || p->rk_no_floor != no_floor) {
+            p->rk_din = incoming ? distance(p, incoming, NULL) : FAR;
+            p->rk_floor = no_floor ? 0 : p->pf_own ? p->pf_floor : window_floor(p, p->rk_din);
+            p->rk_in = incoming, p->rk_cursor = p->cursor, p->rk_pf_own = p->pf_own, p->rk_pf_floor = p->pf_floor;
+            p->rk_no_floor = no_floor;
+            p->rk_set = true;
+        }
+        if (d <= p->rk_din || d < p->rk_floor) return 0;
+    }
+    return r;
+}
+
 static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     if (!predicting(p)) return 1;
     spw_access mode;
@@ -635,6 +668,7 @@ const spw_policy_ops spw__policy_plan = {
     .step_end = plan_step_end,
     .time_steps = plan_time_steps,
     .choose_victim = plan_choose_victim,
+    .rank_victim = plan_rank_victim,
     .need_writeback = plan_need_writeback,
     .prefetch = plan_prefetch,
     .describe = plan_describe,

@@ -135,6 +135,11 @@ struct spw_policy {
     bool rebasing;         /* choose_victim: only buffers outside the target set */
     bool taking_up;        /* choose_victim: only buffers outside the fixed set (SLOT) */
     bool ahead;            /* prefetching for the next step between steps: clean victims only */
+    /* rank_victim's figures for one room of a prefetch, kept while its inputs stay */
+    const spw_buf *rk_in;
+    size_t rk_cursor;
+    uint64_t rk_pf_floor, rk_din, rk_floor;
+    bool rk_pf_own, rk_no_floor, rk_set;
 };
 
 static inline kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }

@@ -210,6 +210,48 @@ static void settle_owed(spw_ctx *ctx) {
     if (spw__arena_settle(ctx->small) || spw__arena_settle(ctx->large)) spw__error_clear();
 }
 
+/* ---- room in one piece ---- */
+
+#define WINDOW_VICTIMS 32 /* at most this many evictions make one run of room */
+
+typedef struct window_ask {
+    struct spw_engine *e;
+    spw_buf *incoming, *choice; /* choice: choose_victim's answer, which ranks above all */
+    int for_prefetch;
+} window_ask;
+
+static uint64_t rank_owner(void *u, void *owner) {
+    window_ask *w = u;
+    spw_buf *b = owner;
+    if (b == w->choice) return UINT64_MAX;
+    if (b == w->incoming || !spw__pol_evictable(b)) return 0;
+    uint64_t r = w->e->pops->rank_victim(w->e->pol, b, w->incoming, w->for_prefetch);
+    return r == UINT64_MAX ? r - 1 : r;
+}
+
+/* Evict the buffers of the run of adjacent device blocks of arena a that the policy gives up
+ * most readily (arena_window.c), so that an upload on stream s finds `need` bytes in one piece
+ * where the budget is all mapped: the alternative, returning scattered cached pages to map new
+ * ones, makes the host wait for the device. SPW_ERR_OUT_OF_MEMORY (no message) when the policy
+ * has no victim for this room (choose_victim's word, asked first) or no run exists. */
+static spw_status evict_window(spw_ctx *ctx, spw_arena *a, size_t need, spw_stream s, spw_buf *incoming,
+                               int for_prefetch) {
+    struct spw_engine *e = ctx->engine;
+    spw_buf *cv;
+    if (!e->pops->rank_victim || !(cv = e->pops->choose_victim(e->pol, need, incoming, for_prefetch)))
+        return SPW_ERR_OUT_OF_MEMORY;
+    void *v[WINDOW_VICTIMS];
+    window_ask w = {e, incoming, cv, for_prefetch};
+    size_t n = spw__arena_window(a, need, s, rank_owner, &w, v, WINDOW_VICTIMS);
+    if (!n) return SPW_ERR_OUT_OF_MEMORY;
+    for (size_t i = 0; i < n; i++) {
+        spw_status st = spw__res_evict_buf(ctx, v[i], false);
+        if (st) return st;
+    }
+    spw__stat_event(&ctx->stats.window_evictions);
+    return SPW_OK;
+}
+
 /* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
  * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
  * without a message when nothing more can be evicted. */
@@ -218,6 +260,13 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
                                  int *nw) {
     if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
     size_t need = SPW_ALIGN_UP(bytes, 512);
+    /* An upload that would need a trim takes its room in one piece instead, where it can. */
+    struct spw_engine *e = ctx->engine;
+    if (may_evict && !tried && e->streams_ok && s == e->h2d && !spw__arena_fits(a, bytes, s)) {
+        spw_status st = evict_window(ctx, a, need, s, incoming, for_prefetch);
+        if (st == SPW_OK) return spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+        if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+    }
     for (;;) {
         if (!tried && (obtainable(ctx) >= need || !may_evict)) {
             spw_status st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
@@ -297,6 +346,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     spw__stat_add(&ctx->stats.cached, -(int64_t)size);
     spw__stat_add(&ctx->stats.requested, (int64_t)b->bytes);
     b->dblock = blk;
+    spw__block_set_owner(blk, b);
     b->darena = a;
     b->dev = spw__block_ptr(blk);
     b->dev_s = as;

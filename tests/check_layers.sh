@@ -18,7 +18,7 @@ srcdir=${2:-}
 [ -s "$list" ] || { echo "check_layers: no object list at $list" >&2; exit 2; }
 
 RULES='
-arena arena_trim arena_inspect hostmem copy backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx ctx_create buffer residency prefetch_thread step_wait policy_* torch_alloc trace access oracle
+arena arena_trim arena_inspect arena_window hostmem copy backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx ctx_create buffer residency prefetch_thread step_wait policy_* torch_alloc trace access oracle
 ctx : ctx_create buffer residency copy hostmem prefetch_thread step_wait trace_events policy_* torch_alloc trace access oracle
 buffer residency copy hostmem prefetch_thread step_wait trace_events : ctx_create policy_* torch_alloc trace access oracle
 '
@@ -26,7 +26,7 @@ buffer residency copy hostmem prefetch_thread step_wait trace_events : ctx_creat
 # INCLUDES: "LOWER : HEADERS": no object of LOWER is compiled with one of these headers of the
 # source tree (directly or through another header).
 INCLUDES='
-arena arena_trim arena_inspect hostmem backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx.h engine.h policy.h policy_plan.h spillway_torch.h trace.h access.h oracle.h
+arena arena_trim arena_inspect arena_window hostmem backend backend_emu emu_stream backend_cuda backend_cuda_vmm error options stats : ctx.h engine.h policy.h policy_plan.h spillway_torch.h trace.h access.h oracle.h
 ctx : engine.h policy.h policy_plan.h hostmem.h spillway_torch.h trace.h access.h oracle.h
 '
 

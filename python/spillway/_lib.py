@@ -27,6 +27,7 @@ STAT_NAMES = (
     "backend_frees",
     "cross_stream_waits",
     "trim_syncs",
+    "window_evictions",
     "ooms",
     "bytes_h2d",
     "bytes_d2h",

@@ -702,7 +702,7 @@ def test_hook_overhead_is_measured_and_views_are_reused():
     assert h["view_hits"] >= 19 * len(off.units)
     per_acquire_us = h["hook_ns"] / h["acquires"] / 1000
     assert per_acquire_us < 500, per_acquire_us  # loose: CI machines are slow and shared
-    assert "us host time per acquire" in off.summary()
+    assert "host time per acquire" in off.summary() and h["hook_us_median"] > 0
     off.remove()
 
 

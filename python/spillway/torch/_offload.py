@@ -104,6 +104,24 @@ def _reserve(total: int) -> int:
 # per tensor (bench/RESULTS.md).
 _DEV_SETS = 32
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
+# Host time per acquire is also counted in buckets of 1024 ns (the last one: that and more), so
+# that hook_stats() can give the median of the calls, which waits for room do not move.
+_HIST_BUCKETS = 4096
+_HIST_LAST = _HIST_BUCKETS - 1
+_HIST_NS = _HIST_LAST << 10
+
+
+def _median_us(hist: List[int]) -> float:
+    """The median of a histogram of 1024-ns buckets, in us (a bucket's middle)."""
+    n = sum(hist)
+    if not n:
+        return 0.0
+    seen = 0
+    for i, c in enumerate(hist):
+        seen += c
+        if 2 * seen >= n:
+            return (i + 0.5) * 1.024
+    return _HIST_LAST * 1.024
 
 
 def _large_page(sizes: Iterable[int]) -> int:
@@ -319,6 +337,9 @@ class Offload:
         page = _ARENA_PAGE
         if shared is None:
             ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
+            # The context holds weights only: cached device memory within the budget is kept, not
+            # returned on growth (returning it waits for the device; the budget is the user's).
+            ctx_opts.setdefault("frag_slack", 10)
             page = _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
         # The device arena maps memory in pages: a unit occupies at least its size rounded up.
         # A forward holds a module's units with those of the hooked modules around it, each in
@@ -382,6 +403,7 @@ class Offload:
         self._c_sync = _lib_c.spw_stream_synchronize if self._emu else None
         self._raw_stream = self._stream_function()
         self.hook_ns = 0
+        self._hook_hist = [0] * _HIST_BUCKETS  # host time per hook call, 1024-ns buckets
         self.acquires = 0
         self.view_builds = 0
         self.steps = 0
@@ -700,6 +722,7 @@ class Offload:
         acquired = self._acquired
         clock = time.perf_counter_ns
         tensor = torch.Tensor
+        hist = self._hook_hist
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if mod is not module:
@@ -752,7 +775,9 @@ class Offload:
                 if self._pend is not None:
                     self._flush()
                 self._pend, self._pend_stream = u, stream
-            self.hook_ns += t1 - t0 + clock() - t2
+            dt = t1 - t0 + clock() - t2
+            self.hook_ns += dt
+            hist[dt >> 10 if dt < _HIST_NS else _HIST_LAST] += 1
             return output
 
         return forward
@@ -792,8 +817,15 @@ class Offload:
             output = self._own_output(output, ending, 0)
         for u in reversed(units):
             self._release(u)
-        self.hook_ns += t1 - t0 + time.perf_counter_ns() - t2
+        self._count_hook(t1 - t0 + time.perf_counter_ns() - t2, len(units))
         return output
+
+    def _count_hook(self, dt: int, n: int) -> None:
+        """dt ns of host time for n acquires: into hook_ns and, per acquire, the histogram."""
+        self.hook_ns += dt
+        if n:
+            per = dt // n
+            self._hook_hist[per >> 10 if per < _HIST_NS else _HIST_LAST] += n
 
     def _own_output(self, out: Any, ending: Sequence[_Unit], depth: int) -> Any:
         """out with every tensor that views a unit about to be released replaced by a clone:
@@ -844,7 +876,7 @@ class Offload:
             t0 = time.perf_counter_ns()
             for u in self._top_units:
                 self._acquire(u)
-            self.hook_ns += time.perf_counter_ns() - t0
+            self._count_hook(time.perf_counter_ns() - t0, len(self._top_units))
             return inner(*args, **kwargs)
         finally:
             try:
@@ -923,8 +955,10 @@ class Offload:
             raise StateError("spillway.torch: this Offload was removed")
 
     def hook_stats(self) -> Dict[str, int]:
-        """Counters of the Python side: hook_ns (host time in the hooks), acquires (spw_acquire
-        calls by hooks and backward), view_hits/view_builds (the unit's device tensors found over
+        """Counters of the Python side: hook_ns (host time in the hooks), hook_us_median (the
+        median host time of one acquire, from 1-us buckets: what a hook costs, where the mean
+        also counts the acquires that waited for room), acquires (spw_acquire calls by hooks
+        and backward), view_hits/view_builds (the unit's device tensors found over
         its address / made or re-pointed there: an address it had not been at, or not among
         its latest _DEV_SETS),
         steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
@@ -932,6 +966,7 @@ class Offload:
         aliased a unit being released, copied so they outlive it)."""
         return {
             "hook_ns": self.hook_ns,
+            "hook_us_median": _median_us(self._hook_hist),
             "acquires": self.acquires,
             "view_hits": self.acquires - self.view_builds,  # each acquire looks its views up once
             "view_builds": self.view_builds,
@@ -1002,8 +1037,8 @@ class Offload:
             f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
             f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
             f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
-            f"  hooks             {self.acquires} acquires, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us "
-            f"host time per acquire, device tensors reused {self.acquires - self.view_builds} / re-pointed "
+            f"  hooks             {self.acquires} acquires, host time per acquire {_median_us(self._hook_hist):.1f} us "
+            f"median, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us mean; device tensors reused {self.acquires - self.view_builds} / re-pointed "
             f"{self.view_builds}",
             "",
             self.context.summary(),

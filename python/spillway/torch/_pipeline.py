@@ -89,9 +89,8 @@ class Offloads:
                  f"{format_size(s['budget'])} ({src})"]
         for n, o in zip(self.names, self.offloads):
             total = sum(u.nbytes for u in o.units)
-            acq = max(o.acquires, 1)
             lines.append(f"  {n:16} {format_size(total):>11} in {len(o.units)} unit{'s' if len(o.units) != 1 else ''}, "
-                         f"{o.steps} steps, {o.hook_ns / acq / 1000:.1f} us host time per acquire")
+                         f"{o.steps} steps, {o.hook_stats()['hook_us_median']:.1f} us host time per acquire (median)")
         lines += ["", self.context.summary()]
         return "\n".join(lines)
 
@@ -133,6 +132,7 @@ def offload_all(obj: Any, budget: Any = None, policy: str = "plan", device: Any 
         if not 0 < budget_v <= free:
             raise ConfigError(f"offload: budget {format_size(max(budget_v, 0))} must be above 0 and at most the free "
                               f"device memory ({format_size(free)} of {format_size(total)})")
+        ctx_opts.setdefault("frag_slack", 10)  # weights only: cached memory within the budget is kept (_offload.py)
         ctx = Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
     done: List[Offload] = []
     try:
