@@ -361,6 +361,49 @@ static void hot_path_no_backend_calls(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* The run a window names: with blocks A B C D of 4 MiB adjacent and B free, 8 MiB can come from
+ * {A, B} or {B, C} (or {C, D} with two victims); the one whose worst victim ranks highest wins,
+ * a victim ranked 0 is never taken, and nothing fits when every candidate is 0. */
+typedef struct ranks {
+    uint64_t r[4];
+    spw_block *blk[4];
+} ranks;
+
+static uint64_t rank_of(void *u, void *owner) {
+    ranks *k = u;
+    return k->r[(int)(intptr_t)owner - 1];
+}
+
+static void window_picks_the_best_run(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = emu_ctx("vmm=on");
+    ranks k = {{5, 0, 9, 1}, {0}};
+    for (int i = 0; i < 4; i++) {
+        assert_ok(spw__arena_alloc(ctx->large, 4 * MiB, NULL, &k.blk[i]));
+        spw__block_set_owner(k.blk[i], (void *)(intptr_t)(i + 1));
+    }
+    for (int i = 1; i < 4; i++)
+        assert_true(spw__block_ptr(k.blk[i]) == (char *)spw__block_ptr(k.blk[i - 1]) + 4 * MiB);
+    spw__arena_free(ctx->large, k.blk[1], NULL);
+    void *v[4];
+    assert_int_equal(spw__arena_window(ctx->large, 8 * MiB, NULL, rank_of, &k, v, 4), 1);
+    assert_int_equal((intptr_t)v[0], 3); /* {B, C}: C ranks 9, above A's 5 */
+    k.r[2] = 0;
+    assert_int_equal(spw__arena_window(ctx->large, 8 * MiB, NULL, rank_of, &k, v, 4), 1);
+    assert_int_equal((intptr_t)v[0], 1); /* C must stay: {A, B} */
+    assert_int_equal(spw__arena_window(ctx->large, 12 * MiB, NULL, rank_of, &k, v, 4), 0); /* C splits every run */
+    k.r[2] = 2;
+    assert_int_equal(spw__arena_window(ctx->large, 12 * MiB, NULL, rank_of, &k, v, 1), 0); /* two victims at most one */
+    assert_int_equal(spw__arena_window(ctx->large, 12 * MiB, NULL, rank_of, &k, v, 4), 2); /* {A, B, C}: worst 2 > {B, C, D}'s 1 */
+    k.r[0] = k.r[2] = k.r[3] = 0;
+    assert_int_equal(spw__arena_window(ctx->large, 8 * MiB, NULL, rank_of, &k, v, 4), 0);
+    check(ctx);
+    for (int i = 0; i < 4; i++)
+        if (i != 1) spw__arena_free(ctx->large, k.blk[i], NULL);
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(split_and_coalesce), cmocka_unit_test(best_fit),
@@ -368,7 +411,7 @@ int main(void) {
         cmocka_unit_test(held_tracks_live),   cmocka_unit_test(segment_mode),
         cmocka_unit_test(large_pages),        cmocka_unit_test(whole_segments),
         cmocka_unit_test(budget_is_hard),     cmocka_unit_test(cross_stream_reuse_waits),
-        cmocka_unit_test(hot_path_no_backend_calls),
+        cmocka_unit_test(hot_path_no_backend_calls), cmocka_unit_test(window_picks_the_best_run),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
