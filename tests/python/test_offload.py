@@ -164,14 +164,14 @@ def test_large_units_are_mapped_in_large_pages():
     held = off.stats()["held"]
     assert held["peak"] == 16 * MiB and held["current"] % (8 * MiB) == 0
     off.remove()
-    assert spt._offload._large_page([8 * MiB, 24 * MiB, 4096]) == 8 * MiB
+    assert spt._device._large_page([8 * MiB, 24 * MiB, 4096]) == 8 * MiB
     # a Llama layer and its embedding: 8 MiB pages round them up by 2.1%, 16 MiB ones by 3.3%
-    assert spt._offload._large_page([416 * MiB + 16384, 250 * MiB]) == 8 * MiB
-    assert spt._offload._large_page([416 * MiB + 16384] * 32 + [250 * MiB] * 2) == 8 * MiB
+    assert spt._device._large_page([416 * MiB + 16384, 250 * MiB]) == 8 * MiB
+    assert spt._device._large_page([416 * MiB + 16384] * 32 + [250 * MiB] * 2) == 8 * MiB
     # the same with its norms in the shared unit of small tensors: 416 MiB is 13 pages of 32 MiB
-    assert spt._offload._large_page([416 * MiB] * 32 + [250 * MiB] * 2) == 32 * MiB
-    assert spt._offload._large_page([128 * MiB] * 32) == 128 * MiB  # one physical allocation a unit
-    assert spt._offload._large_page([4 * 1024 * MiB]) == 1024 * MiB  # the library's largest page
+    assert spt._device._large_page([416 * MiB] * 32 + [250 * MiB] * 2) == 32 * MiB
+    assert spt._device._large_page([128 * MiB] * 32) == 128 * MiB  # one physical allocation a unit
+    assert spt._device._large_page([4 * 1024 * MiB]) == 1024 * MiB  # the library's largest page
     off = spt.offload(m, budget="20MiB", vmm_large_page="2MiB", **EMU)
     for _ in range(3):
         assert torch.equal(m(x), ref(x))
@@ -206,7 +206,7 @@ def test_small_tensors_of_blocks_share_one_unit():
     small = [u for u in off.units if u.name == "small tensors of the blocks"]
     assert len(small) == 1 and len(small[0].entries) == 4 * 3  # bias, norm weight, norm bias
     assert sizes["0"] == (8 * 1024 + 3 * 1024) * 4  # small tensors only: stays whole
-    assert spt._offload._large_page(sizes.values()) == 4 * MiB
+    assert spt._device._large_page(sizes.values()) == 4 * MiB
     for _ in range(3):
         assert torch.equal(m(x), ref(x))
     a = torch.randn(3, 8, requires_grad=True)

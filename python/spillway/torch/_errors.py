@@ -1,9 +1,12 @@
 """spillway.torch's exceptions: the library's, and where PyTorch has its own kind, both."""
 from __future__ import annotations
 
+from typing import Any, List
+
 import torch
 
 from .. import errors as _errors
+from ..errors import StateError
 
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
 
@@ -13,3 +16,29 @@ class OutOfMemoryError(_errors.OutOfMemoryError, _TorchOOM):  # type: ignore[mis
     use_allocator): both spillway.OutOfMemoryError and torch's out-of-memory error
     (torch.OutOfMemoryError / torch.cuda.OutOfMemoryError), so code that handles PyTorch's OOM
     handles this one too."""
+
+
+# The guard on parameters offloaded for inference that a backward pass reaches.
+_needed_grads: List[str] = []  # parameters a running backward found offloaded for inference
+
+
+def _raise_needed_grads() -> None:
+    names, _needed_grads[:] = list(dict.fromkeys(_needed_grads)), []
+    shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+    raise StateError(
+        f"spillway.torch: backward needs the gradient of {shown}, parameters that require grad but were "
+        "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
+        "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable the "
+        "adapters): trainable parameters of a model with frozen weights stay resident. For inference, run "
+        "under torch.no_grad() or torch.inference_mode().")
+
+
+def _needs_grad(name: str) -> Any:
+    """A hook on the device tensor of an offloaded trainable parameter: the backward that reaches
+    it fails once it has run to its end (raising inside the backward would leave its remaining
+    nodes to the thread's exit, where torch 1.x needs the interpreter lock to free them)."""
+    def hook(grad: torch.Tensor) -> None:
+        if not _needed_grads:
+            torch.autograd.Variable._execution_engine.queue_callback(_raise_needed_grads)
+        _needed_grads.append(name)
+    return hook

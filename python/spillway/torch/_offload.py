@@ -60,10 +60,9 @@ import contextlib
 import ctypes
 import functools
 import operator
-import os
 import time
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -72,9 +71,11 @@ from .. import _lib
 from ..core import Context, budget_bytes, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _partition
-from ._errors import OutOfMemoryError
-from ._saved import _Saved, saving
+from . import _alloc, _partition, _report
+from ._device import (_ARENA_PAGE, _PAGE, _SMALL_LIMIT, _arena_page, _device_memory, _large_page, _reserve,
+                      _resolve_device)
+from ._errors import OutOfMemoryError, _needs_grad
+from ._saved import saving
 from ._units import (_DevSet, _Unit, _align, _columns, _held_together, _module_names, _param_owners,
                      _plan_units, _storage_at)
 
@@ -85,17 +86,6 @@ _READ = _lib.ACCESS_READ
 # values[i]`, and all(map(_is, map(_getitem, dicts, names), values)) checks they still hold them.
 _drain = collections.deque(maxlen=0).extend
 _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
-_PAGE = 4096
-_ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
-_SMALL_LIMIT = 1 << 20  # units up to this size come from the small-block arena (option small_limit)
-# Without a budget, offload() takes the device's free memory less a reserve for what PyTorch
-# allocates beside the weights (activations, a KV cache): _reserve(device memory).
-_RESERVE_MIN = 1 << 30
-
-
-def _reserve(total: int) -> int:
-    """A quarter of the device, and at least 1 GiB (on a device of 2 GiB or less, half of it)."""
-    return max(total // 4, min(_RESERVE_MIN, total // 2))
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
@@ -103,53 +93,11 @@ def _reserve(total: int) -> int:
 # unit every pass). A set costs empty tensors; a re-point costs a hook a storage and a Tensor.set_
 # per tensor (bench/RESULTS.md).
 _DEV_SETS = 32
-_LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 # Host time per acquire is also counted in buckets of 1024 ns (the last one: that and more), so
 # that hook_stats() can give the median of the calls, which waits for room do not move.
 _HIST_BUCKETS = 4096
 _HIST_LAST = _HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
-
-
-def _median_us(hist: List[int]) -> float:
-    """The median of a histogram of 1024-ns buckets, in us (a bucket's middle)."""
-    n = sum(hist)
-    if not n:
-        return 0.0
-    seen = 0
-    for i, c in enumerate(hist):
-        seen += c
-        if 2 * seen >= n:
-            return (i + 0.5) * 1.024
-    return _HIST_LAST * 1.024
-
-
-def _large_page(sizes: Iterable[int]) -> int:
-    """The default vmm_large_page for units of these sizes: the largest power of two up to 1 GiB
-    for which rounding every unit above 1 MiB (those the large-block arena holds) up to whole
-    pages adds at most 1/32 of their bytes, else the 2 MiB granularity. A copy costs the host
-    time per physical allocation it spans, so fewer pages make acquires cheaper (bench/RESULTS.md
-    has the figures). The bound on the rounding keeps pages that units only partly fill rare: the
-    arena cannot give those back when another size needs the room, and waits for the GPU to trim
-    instead, inside an acquire."""
-    large = [n for n in sizes if n > (1 << 20)]
-    total = sum(large)
-    page = _ARENA_PAGE
-    while large and page < _LARGE_PAGE_MAX:
-        p2 = page * 2
-        if 32 * sum(-n % p2 for n in large) > total:
-            break
-        page = p2
-    return page
-
-
-def _arena_page(requested: int) -> int:
-    """The large-block arena's page for option vmm_large_page=requested, as the library rounds it:
-    a power of two from the granularity up."""
-    page = _ARENA_PAGE
-    while page < requested:
-        page *= 2
-    return page
 
 
 # Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
@@ -161,76 +109,6 @@ def _active(module: nn.Module) -> bool:
     ref = _ACTIVE.get(module)
     off = ref() if ref is not None else None
     return off is not None and not off._closed
-
-
-def _resolve_device(backend: str, device: Any) -> Tuple[str, torch.device]:
-    """(backend, device) for offload's backend and device arguments: "auto" is cuda where torch
-    has a device, emu runs on CPU tensors, a cuda device without an index is the current one."""
-    if backend == "auto":
-        backend = "cuda" if torch.cuda.is_available() else "emu"
-    if backend not in ("cuda", "emu"):
-        raise ConfigError(f"offload: backend must be 'auto', 'cuda' or 'emu', got {backend!r}")
-    if backend == "emu":
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        if dev.type != "cpu":
-            raise ConfigError(f"offload: backend 'emu' runs on CPU tensors; device {dev} is not 'cpu'")
-        return backend, dev
-    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if dev.type != "cuda":
-        raise ConfigError(f"offload: backend 'cuda' needs a cuda device, got {dev}")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return backend, dev
-
-
-def _device_memory(backend: str, dev: torch.device, tensors: Iterable[torch.Tensor],
-                   ctx_opts: Dict[str, Any]) -> Tuple[int, int]:
-    """(free, total) device bytes for a context of offloaded tensors: free counts those already
-    on dev (they leave it for their host copy). On CUDA ctx_opts gets the device index and the
-    prefetch worker (under plan most of the hooks' C time is enqueuing the next unit's upload and
-    the last-use event, which the worker issues instead: bench/RESULTS.md), unless SPILLWAY_CONF
-    or the call says otherwise; on emu the device is emu_capacity."""
-    if backend == "emu":
-        try:
-            free = parse_size(ctx_opts.get("emu_capacity", "80GiB"))
-        except _errors.Error as e:
-            raise ConfigError(f"offload: option 'emu_capacity': {e.message}") from None
-        return free, free
-    free, total = torch.cuda.mem_get_info(dev)
-    free += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t.device == dev)
-    ctx_opts.setdefault("device", dev.index)
-    if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
-        ctx_opts["prefetch_thread"] = "on"
-    return free, total
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-_needed_grads: List[str] = []  # parameters a running backward found offloaded for inference
-
-
-def _raise_needed_grads() -> None:
-    names, _needed_grads[:] = list(dict.fromkeys(_needed_grads)), []
-    shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
-    raise StateError(
-        f"spillway.torch: backward needs the gradient of {shown}, parameters that require grad but were "
-        "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
-        "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable the "
-        "adapters): trainable parameters of a model with frozen weights stay resident. For inference, run "
-        "under torch.no_grad() or torch.inference_mode().")
-
-
-def _needs_grad(name: str) -> Any:
-    """A hook on the device tensor of an offloaded trainable parameter: the backward that reaches
-    it fails once it has run to its end (raising inside the backward would leave its remaining
-    nodes to the thread's exit, where torch 1.x needs the interpreter lock to free them)."""
-    def hook(grad: torch.Tensor) -> None:
-        if not _needed_grads:
-            torch.autograd.Variable._execution_engine.queue_callback(_raise_needed_grads)
-        _needed_grads.append(name)
-    return hook
 
 
 def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -893,36 +771,6 @@ class Offload:
                 self._depth = 0
 
     # ------------------------------------------------------------------ backward
-    def _record(self, t: torch.Tensor) -> Optional[_Saved]:
-        """The record of t if it lies inside one of the acquired units (_saved.py), else None."""
-        if not self._acquired or t.device.type != self.device.type:
-            return None
-        p = t.data_ptr()
-        for base, u in self._acquired.items():
-            if base <= p < base + u.nbytes:
-                self.saved_packed += 1
-                return _Saved(u, p - base, t)
-        return None
-
-    def _rebuild(self, s: _Saved) -> torch.Tensor:
-        """The tensor of record s, copied out of its unit re-acquired for the copy."""
-        if self._closed:
-            raise StateError("spillway.torch: backward needs offloaded weights, but the Offload was removed; "
-                             "run backward before remove()")
-        u = s.unit
-        stream = self._stream()
-        ptr = self._acquire_raw(u, stream)
-        try:
-            storage = _storage_at(ptr, u.nbytes, self.device)
-            out = torch.empty(0, dtype=s.dtype, device=self.device)
-            out = out.set_(storage, s.offset // out.element_size(), s.size, s.stride).clone()
-        finally:
-            st = self._c_release(u.handle, stream)
-        if st:
-            raise error_for(st)
-        self.saved_reacquires += 1
-        return out
-
     # ------------------------------------------------------------------ steps
     def _step_begin(self) -> None:
         st = _lib_c.spw_step_begin(self._ctx_handle)
@@ -954,96 +802,20 @@ class Offload:
         if self._closed:
             raise StateError("spillway.torch: this Offload was removed")
 
-    def hook_stats(self) -> Dict[str, int]:
-        """Counters of the Python side: hook_ns (host time in the hooks), hook_us_median (the
-        median host time of one acquire, from 1-us buckets: what a hook costs, where the mean
-        also counts the acquires that waited for room), acquires (spw_acquire calls by hooks
-        and backward), view_hits/view_builds (the unit's device tensors found over
-        its address / made or re-pointed there: an address it had not been at, or not among
-        its latest _DEV_SETS),
-        steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
-        buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
-        aliased a unit being released, copied so they outlive it)."""
-        return {
-            "hook_ns": self.hook_ns,
-            "hook_us_median": _median_us(self._hook_hist),
-            "acquires": self.acquires,
-            "view_hits": self.acquires - self.view_builds,  # each acquire looks its views up once
-            "view_builds": self.view_builds,
-            "steps": self.steps,
-            "saved_packed": self.saved_packed,
-            "saved_reacquires": self.saved_reacquires,
-            "buffer_writebacks": self.buffer_writebacks,
-            "outputs_cloned": self.outputs_cloned,
-        }
+    def hook_stats(self) -> Dict[str, Any]:
+        """Counters of the Python side (_report.hook_stats says which)."""
+        return _report.hook_stats(self)
 
     def stats(self) -> Dict[str, Any]:
         """The library's counters (Context.stats()) plus "offload": hook_stats(), unit counts."""
         self._live()
-        out = self.context.stats()
-        h = self.hook_stats()
-        h["units"] = len(self.units)
-        h["offloaded_bytes"] = sum(u.nbytes for u in self.units)
-        h["resident_trainable_bytes"] = sum(p.numel() * p.element_size() for _, p in self._trainable)
-        out["offload"] = h
-        return out
-
-    def _partition_text(self, shown: int = 8) -> str:
-        units = sorted(self.units, key=lambda u: u.index)
-        head = ", ".join(f"'{u.name}' {format_size(u.nbytes)}" for u in units[:shown])
-        more = f", ... {len(units) - shown} more" if len(units) > shown else ""
-        how = "the given blocks" if self._given_blocks else "the module tree and the budget"
-        return f"from {how}: {head}{more}"
-
-    def _budget_text(self) -> str:
-        if self.budget_source == "shared":
-            return "use_allocator's budget, shared with PyTorch's tensors"
-        what = "device memory for offloaded weights only"
-        if self.budget_source == "default":
-            return (f"{what}: no budget given, so the device's free memory less {format_size(self.reserve)} "
-                    "kept for activations")
-        return what
+        return _report.stats(self)
 
     def summary(self) -> str:
         """Readable report: units, what stayed resident, bytes moved per step, stalls, plan hits,
         hook time per acquire, then the library's table."""
         self._live()
-        s = self.context.stats()
-        steps = max(self.steps, 1)
-        total = sum(u.nbytes for u in self.units)
-        lines = [
-            f"spillway.torch offload of {type(self.module).__name__} ({self.backend}, device {self.device}, "
-            f"policy {self.context.options.get('policy')})",
-            f"  offloaded         {format_size(total)} in {_plural(len(self.units), 'unit')} "
-            f"(largest '{max(self.units, key=lambda u: u.nbytes).name}', "
-            f"{format_size(max(u.nbytes for u in self.units))})",
-            f"  partition         {self._partition_text()}",
-            f"  budget            {format_size(s['budget'])}  ({self._budget_text()})",
-            f"  resident units    {s['buffers_resident']['current']} now, "
-            f"{format_size(s['live']['current'])} on the device",
-        ]
-        if self._trainable:
-            nb = sum(p.numel() * p.element_size() for _, p in self._trainable)
-            shown = ", ".join(n for n, _ in self._trainable[:6]) + (" ..." if len(self._trainable) > 6 else "")
-            lines.append(f"  kept resident     {len(self._trainable)} trainable parameters, {format_size(nb)}: {shown}")
-        lines += [
-            f"  steps             {self.steps}",
-            f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "
-            f"({s['bytes_h2d']['total'] / steps / total if total else 0:.2f} of the offloaded bytes; "
-            f"{format_size(s['bytes_h2d']['total'])} in all), {format_size(s['bytes_d2h']['total'])} device to host",
-            f"  stalls            {s['stalls']['total']}"
-            + (f" ({s['stall_ns']['total'] / 1e6:.2f} ms waited)" if s['stall_ns']['total'] else
-               " (their time is measured with trace=FILE)"),
-            f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
-            f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
-            f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
-            f"  hooks             {self.acquires} acquires, host time per acquire {_median_us(self._hook_hist):.1f} us "
-            f"median, {self.hook_ns / max(self.acquires, 1) / 1000:.1f} us mean; device tensors reused {self.acquires - self.view_builds} / re-pointed "
-            f"{self.view_builds}",
-            "",
-            self.context.summary(),
-        ]
-        return "\n".join(lines)
+        return _report.summary(self)
 
     # ------------------------------------------------------------------ removal
     def remove(self) -> None:
@@ -1099,5 +871,5 @@ class Offload:
                 ctx.close()
 
     def __repr__(self) -> str:
-        state = "removed" if self._closed else _plural(len(self.units), "unit")
+        state = "removed" if self._closed else _report._plural(len(self.units), "unit")
         return f"<spillway.torch.Offload {type(self.module).__name__}: {state}>"

@@ -14,7 +14,8 @@ from torch import nn
 from ..core import Context, budget_bytes, format_size, parse_budget
 from ..errors import ConfigError, InvalidArgument
 from . import _alloc
-from ._offload import Offload, _device_memory, _reserve, _resolve_device
+from ._device import _device_memory, _reserve, _resolve_device
+from ._offload import Offload
 
 
 def modules_of(obj: Any) -> List[Tuple[str, nn.Module]]:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ._units import _Unit
+from ..errors import StateError, error_for
+from ._units import _Unit, _storage_at
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._offload import Offload
@@ -106,7 +107,7 @@ class _Hooks:
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        rec = self.off._record(t)
+        rec = record(self.off, t)
         outer = self.outer
         if rec is None:
             return t if outer is None else _Outer(outer[1], outer[0](t))
@@ -116,7 +117,7 @@ class _Hooks:
 
     def unpack(self, s: Any) -> torch.Tensor:
         if type(s) is _Saved:
-            return self.off._rebuild(s)
+            return rebuild(self.off, s)
         if type(s) is _Outer:
             return s.unpack(s.packed)
         return s
@@ -149,3 +150,34 @@ def saving(off: "Offload") -> _Scope:
     """The scope in which tensors saved for backward inside off's acquired units are recorded."""
     return _Scope(off)
 
+
+def record(off: "Offload", t: torch.Tensor) -> Optional[_Saved]:
+    """The record of t if it lies inside one of off's acquired units, else None."""
+    if not off._acquired or t.device.type != off.device.type:
+        return None
+    p = t.data_ptr()
+    for base, u in off._acquired.items():
+        if base <= p < base + u.nbytes:
+            off.saved_packed += 1
+            return _Saved(u, p - base, t)
+    return None
+
+
+def rebuild(off: "Offload", s: _Saved) -> torch.Tensor:
+    """The tensor of record s, copied out of its unit re-acquired for the copy."""
+    if off._closed:
+        raise StateError("spillway.torch: backward needs offloaded weights, but the Offload was removed; "
+                         "run backward before remove()")
+    u = s.unit
+    stream = off._stream()
+    ptr = off._acquire_raw(u, stream)
+    try:
+        storage = _storage_at(ptr, u.nbytes, off.device)
+        out = torch.empty(0, dtype=s.dtype, device=off.device)
+        out = out.set_(storage, s.offset // out.element_size(), s.size, s.stride).clone()
+    finally:
+        st = off._c_release(u.handle, stream)
+    if st:
+        raise error_for(st)
+    off.saved_reacquires += 1
+    return out

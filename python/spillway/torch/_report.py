@@ -1,0 +1,116 @@
+"""What an offload reports: the Python side's counters, the library's statistics with them, and
+the readable summary. Reads an Offload's attributes; changes nothing."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from ..core import format_size
+
+
+def _median_us(hist: List[int]) -> float:
+    """The median of a histogram of 1024-ns buckets, in us (a bucket's middle)."""
+    n = sum(hist)
+    if not n:
+        return 0.0
+    seen = 0
+    for i, c in enumerate(hist):
+        seen += c
+        if 2 * seen >= n:
+            return (i + 0.5) * 1.024
+    return (len(hist) - 0.5) * 1.024
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def hook_stats(off: Any) -> Dict[str, Any]:
+    """Counters of the Python side: hook_ns (host time in the hooks), hook_us_median (the
+    median host time of one acquire, from 1-us buckets: what a hook costs, where the mean
+    also counts the acquires that waited for room), acquires (spw_acquire calls by hooks and
+    backward), view_hits/view_builds (the unit's device tensors found over its address / made
+    or re-pointed there: an address it had not been at, or not among its latest sets), steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
+    buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
+    aliased a unit being released, copied so they outlive it)."""
+    return {
+        "hook_ns": off.hook_ns,
+        "hook_us_median": _median_us(off._hook_hist),
+        "acquires": off.acquires,
+        "view_hits": off.acquires - off.view_builds,  # each acquire looks its views up once
+        "view_builds": off.view_builds,
+        "steps": off.steps,
+        "saved_packed": off.saved_packed,
+        "saved_reacquires": off.saved_reacquires,
+        "buffer_writebacks": off.buffer_writebacks,
+        "outputs_cloned": off.outputs_cloned,
+    }
+
+
+def stats(off: Any) -> Dict[str, Any]:
+    """The library's counters (Context.stats()) plus "offload": hook_stats(), unit counts."""
+    out = off.context.stats()
+    h = hook_stats(off)
+    h["units"] = len(off.units)
+    h["offloaded_bytes"] = sum(u.nbytes for u in off.units)
+    h["resident_trainable_bytes"] = sum(p.numel() * p.element_size() for _, p in off._trainable)
+    out["offload"] = h
+    return out
+
+
+def _partition_text(off: Any, shown: int = 8) -> str:
+    units = sorted(off.units, key=lambda u: u.index)
+    head = ", ".join(f"'{u.name}' {format_size(u.nbytes)}" for u in units[:shown])
+    more = f", ... {len(units) - shown} more" if len(units) > shown else ""
+    how = "the given blocks" if off._given_blocks else "the module tree and the budget"
+    return f"from {how}: {head}{more}"
+
+
+def _budget_text(off: Any) -> str:
+    if off.budget_source == "shared":
+        return "use_allocator's budget, shared with PyTorch's tensors"
+    what = "device memory for offloaded weights only"
+    if off.budget_source == "default":
+        return (f"{what}: no budget given, so the device's free memory less {format_size(off.reserve)} "
+                "kept for activations")
+    return what
+
+
+def summary(off: Any) -> str:
+    """Readable report: units, what stayed resident, bytes moved per step, stalls, plan hits,
+    hook time per acquire, then the library's table."""
+    s = off.context.stats()
+    steps = max(off.steps, 1)
+    total = sum(u.nbytes for u in off.units)
+    lines = [
+        f"spillway.torch offload of {type(off.module).__name__} ({off.backend}, device {off.device}, "
+        f"policy {off.context.options.get('policy')})",
+        f"  offloaded         {format_size(total)} in {_plural(len(off.units), 'unit')} "
+        f"(largest '{max(off.units, key=lambda u: u.nbytes).name}', "
+        f"{format_size(max(u.nbytes for u in off.units))})",
+        f"  partition         {_partition_text(off)}",
+        f"  budget            {format_size(s['budget'])}  ({_budget_text(off)})",
+        f"  resident units    {s['buffers_resident']['current']} now, "
+        f"{format_size(s['live']['current'])} on the device",
+    ]
+    if off._trainable:
+        nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
+        shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")
+        lines.append(f"  kept resident     {len(off._trainable)} trainable parameters, {format_size(nb)}: {shown}")
+    lines += [
+        f"  steps             {off.steps}",
+        f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "
+        f"({s['bytes_h2d']['total'] / steps / total if total else 0:.2f} of the offloaded bytes; "
+        f"{format_size(s['bytes_h2d']['total'])} in all), {format_size(s['bytes_d2h']['total'])} device to host",
+        f"  stalls            {s['stalls']['total']}"
+        + (f" ({s['stall_ns']['total'] / 1e6:.2f} ms waited)" if s['stall_ns']['total'] else
+           " (their time is measured with trace=FILE)"),
+        f"  plan hits         {s['plan_hits']['total']}, divergences {s['plan_divergences']['total']}, "
+        f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
+        f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
+        f"  hooks             {off.acquires} acquires, host time per acquire {_median_us(off._hook_hist):.1f} us "
+        f"median, {off.hook_ns / max(off.acquires, 1) / 1000:.1f} us mean; device tensors reused {off.acquires - off.view_builds} / re-pointed "
+        f"{off.view_builds}",
+        "",
+        off.context.summary(),
+    ]
+    return "\n".join(lines)
