@@ -495,23 +495,23 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
 }
 
 static uint64_t plan_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, int for_prefetch) {
-    if (!predicting(p) && !p->rebasing && !p->taking_up)
+    /* The splits place their room themselves (a fixed set, the rest in one piece, an upload
+     * beside the buffer it replaces): a run of other victims would break what they time. */
+    if (p->taking_up || (predicting(p) && fixed_pipeline(p->early_max))) return 0;
+    if (!predicting(p) && !p->rebasing)
         return spw__policy_lru.rank_victim(p->lru, b, incoming, for_prefetch);
     if (b == incoming || !spw__pol_evictable(b) || (p->ahead && spw__pol_dirty(b))) return 0;
     kbuf *k = kb_of(b);
     spw_access mode = SPW_ACCESS_READ;
     uint64_t d = distance(p, b, &mode);
-    uint64_t r = d >= FAR - 2 ? FAR : d + 2; /* 1 is the last resort below */
+    uint64_t r = d >= FAR - 1 ? FAR : d + 1;
     /* as farthest(): a victim that costs a write-back is worth one nearly as distant that does not */
     if (spw__pol_dirty(b) && !(d != FAR && mode == SPW_ACCESS_WRITE)) r = SPW_MAX(r - r / FREE_VICTIM_SLACK - 1, 2);
     if (p->rebasing) return k && k->target ? 0 : r;
-    if (p->taking_up) return k && k->fixed ? 0 : r;
     if (for_prefetch && !p->pf_own && (p->early_max == PF_OFF || p->early_max == PF_SLOT)) return 0;
-    bool split = fixed_pipeline(p->early_max);
-    if (split && k && k->fixed) return for_prefetch ? 0 : 1; /* as choose_victim: the split's last resort */
     if (for_prefetch) {
         /* choose_victim's test, its figures computed once for every block of a window search */
-        bool no_floor = p->pf_early || split;
+        bool no_floor = p->pf_early;
         if (!p->rk_set || p->rk_in != incoming || p->rk_cursor != p->cursor || p->rk_pf_own != p->pf_own ||
             p->rk_pf_floor != p->pf_floor || p->rk_no_floor != no_floor) {
             p->rk_din = incoming ? distance(p, incoming, NULL) : FAR;

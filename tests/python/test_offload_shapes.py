@@ -275,6 +275,41 @@ def test_encoder_decoder():
     off.remove()
 
 
+# ---- a model used through a method other than forward (a VAE's decode) ----
+
+class AutoEncoder(nn.Module):
+    """As diffusers' AutoencoderKL is used in a pipeline: decode(), not forward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Decoder()
+        self.post_quant_conv = nn.Conv2d(16, 16, 1)
+        self.decoder = Decoder()
+
+    def decode(self, z):
+        return self.decoder(self.post_quant_conv(z))
+
+    def forward(self, z):
+        return self.decode(z)
+
+
+def test_a_method_other_than_forward_brings_the_weights():
+    torch.manual_seed(0)
+    m = AutoEncoder().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    z = torch.randn(1, 16, 8, 8)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    off = spt.offload(m, budget=4 * total, backend="emu")  # the whole model fits a quarter of it
+    assert len(off.units) >= 2  # the top level is split: decode()'s calls reach hooked children
+    with torch.no_grad():
+        before = off.context.stats()["bytes_h2d"]["total"]
+        out = m.decode(z)
+        assert off.context.stats()["bytes_h2d"]["total"] - before >= sum(
+            p.numel() * p.element_size() for p in list(m.decoder.parameters()) + list(m.post_quant_conv.parameters()))
+    assert torch.equal(out, ref.decode(z))
+    off.remove()
+
+
 # ---- a three-module pipeline under one budget ----
 
 class TextEncoder(nn.Module):

@@ -63,7 +63,10 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
     seen: Set[int] = set()
 
     def visit(m: nn.Module) -> None:
-        if _called(m) and (size[id(m)] <= hi or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())):
+        # The top level is always split (unless it cannot be): its own methods other than forward
+        # (a VAE's decode) call its children, whose hooks then bring their units.
+        fits = size[id(m)] <= hi and m is not module
+        if _called(m) and (fits or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())):
             groups.append([m])  # fits, or cannot be split (its tensors are all its own, or it reads its children's)
             return
         run: Group = []
