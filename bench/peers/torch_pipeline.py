@@ -109,15 +109,10 @@ class Pipeline(abc.ABC):
         """The diffusers pipeline object over these components (no tokenizers: image() passes ids)."""
 
     def spillway_modules(self) -> Dict[str, nn.Module]:
-        """The components as offload() is given them. AutoencoderKL.decode is not the VAE's forward,
-        and an Offload acquires the units of its module's top level in that forward only: a VAE
-        that is one unit would decode with its host-resident weights. The modules decode() calls
-        are given instead (text to image never runs the VAE's encoder)."""
-        mods = {n: m for n, m in self.components.items() if m is not self.vae}
-        if self.vae.post_quant_conv is not None:
-            mods["vae.post_quant_conv"] = self.vae.post_quant_conv
-        mods["vae.decoder"] = self.vae.decoder
-        return mods
+        """The components as offload() is given them: all of them, the VAE whole (offload splits
+        a module's top level, so decode(), which is not the VAE's forward, reaches hooked
+        children)."""
+        return dict(self.components)
 
 
 class SD15(Pipeline):
