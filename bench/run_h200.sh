@@ -2,7 +2,8 @@
 # Everything the GPU machine must prove, in one batch: build, the suite against the cuda backend,
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
-#                     [pytest] [peers] [cost] [offload] [pytest-alloc] [torchalloc] [ddp]   (default: all)
+#                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
+#                     [pytest-alloc] [torchalloc] [ddp]   (default: all but diffusion, pipeline, smallcard)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 # $OUT/NAME.json, stdout to the console and $OUT/NAME.txt, stderr to $OUT/NAME.err (its tail shown)
 pyrun() {
   local name=$1 secs=$2; shift 2
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout "$secs" \
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python${PYEXTRA:+:$PYEXTRA} timeout "$secs" \
     python3 "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" || rc=1
   tail -15 "$OUT/$name.err"
 }
@@ -130,6 +131,20 @@ fi
 if has offload; then
   log "bench/peers/torch_offload.py"
   pyrun torch_offload 540 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-}
+fi
+# diffusers is not on the GPU machine's image: its src/ is carried in .peers/src (never committed)
+DIFFUSERS_PATH=${DIFFUSERS:-$PWD/.peers}/src
+if has diffusion; then
+  log "bench/peers/torch_diffusion.py"
+  PYEXTRA=$DIFFUSERS_PATH pyrun torch_diffusion 580 bench/peers/torch_diffusion.py ${DIFFUSION_ARGS:-}
+fi
+if has pipeline; then
+  log "bench/peers/torch_pipeline.py"
+  PYEXTRA=$DIFFUSERS_PATH pyrun torch_pipeline 580 bench/peers/torch_pipeline.py ${PIPELINE_ARGS:-}
+fi
+if has smallcard; then
+  log "bench/peers/torch_smallcard.py"
+  pyrun torch_smallcard 580 bench/peers/torch_smallcard.py ${SMALLCARD_ARGS:-}
 fi
 if has pytest-alloc; then
   # spillway.torch.use_allocator against the default allocator, both modes: four processes at
