@@ -4,7 +4,8 @@
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
 #                     [pytest-alloc] [torchalloc] [ddp]   (default: all but diffusion, pipeline, smallcard)
-# Logs go to $OUT (or ./h200-out) so they come back from the device machine.
+# Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
+# PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-$PWD/h200-out}
