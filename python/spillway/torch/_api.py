@@ -5,13 +5,14 @@ from typing import Any, Iterable, Optional, Union
 
 from torch import nn
 
+from ..errors import InvalidArgument
 from ._offload import Offload
 from ._pipeline import offload_all
 
 
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
-            offload_trainable: Optional[bool] = None, **options: Any) -> Any:
+            offload_trainable: Optional[bool] = None, optimizer: Any = None, **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -35,6 +36,20 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     the model is frozen (from_pretrained output, for inference: a backward that needs their
     gradient raises a clear error), and keeps them resident otherwise (adapters on a frozen
     base); True and False force either.
+    optimizer: a torch.optim.Optimizer over trainable parameters of module, to train them
+    through the offload (the loop stays `loss.backward(); opt.step(); opt.zero_grad()`). The
+    trainable parameters are offloaded too, and their host Parameters (the CPU views between
+    forwards) are the master copy: backward copies each gradient to the host and autograd
+    accumulates it into the host Parameter's .grad (so accumulation over several backwards,
+    zero_grad, clip_grad_norm_ over module.parameters() and parameter groups work as on a
+    resident model), and opt steps on the host, its state there too: gradients and optimizer
+    state take no device memory. opt.step is wrapped (remove() unwraps it) so that each step
+    ends by dropping the device copies of the units holding opt's parameters; the next forward
+    uploads the new values. On CUDA the gradient copies are synchronous (.to("cpu") in
+    backward); overlapping them with the backward is not done yet. Refused before anything
+    moves (InvalidArgument) when opt is not an Optimizer, holds a parameter that is not a
+    trainable parameter of module, or module has none; with offload_trainable=False it is a
+    ConfigError. One module only (not a list or a pipeline).
     trace: write a Chrome trace of copies and evictions to this file.
     options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
     unknown one is a ConfigError. While spillway.torch.use_allocator is active, the weights use
@@ -43,7 +58,10 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     which is also torch's out-of-memory error. On any error the module is unchanged.
     """
     if not isinstance(module, nn.Module):
+        if optimizer is not None:
+            raise InvalidArgument("offload: optimizer= trains one nn.Module; offload the trained module on its own")
         return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
                            offload_trainable=offload_trainable, **options)
     block_list = None if blocks is None else list(blocks)
-    return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options))
+    return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
+                          optimizer=optimizer)

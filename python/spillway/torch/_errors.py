@@ -29,7 +29,8 @@ def _raise_needed_grads() -> None:
         f"spillway.torch: backward needs the gradient of {shown}, parameters that require grad but were "
         "offloaded for inference (offload() offloads every parameter of a model none of whose weights is "
         "frozen). To train adapters, freeze the base first (module.requires_grad_(False), then enable the "
-        "adapters): trainable parameters of a model with frozen weights stay resident. For inference, run "
+        "adapters): trainable parameters of a model with frozen weights stay resident; or pass optimizer= to "
+        "offload() to train them on the host. For inference, run "
         "under torch.no_grad() or torch.inference_mode().")
 
 

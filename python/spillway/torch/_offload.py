@@ -42,8 +42,24 @@ How it works, and the contracts it keeps:
   around any hooked module called outside it (blocks driven by the caller's own loop, a
   checkpoint's recomputation), so nothing saved for backward points at device memory that may
   be evicted, whichever way the model is run.
-- Trainable parameters (requires_grad=True) are never offloaded: they stay resident on the
-  device (their gradients and optimizer state need a stable tensor) and the summary lists them.
+- Trainable parameters (requires_grad=True) of a model with frozen weights stay resident on the
+  device by default and the summary lists them; in a model none of whose weights is frozen they
+  are offloaded for inference (a backward that reaches one raises StateError at its end,
+  _errors.py). offload_trainable forces either.
+- Training (optimizer=opt): the trainable parameters are offloaded and their host Parameters
+  are the master copy. While grad is enabled the slot of each one gets, instead of the device
+  tensor, _ToHost(parameter, device tensor): an alias of the device tensor whose backward
+  copies the gradient to the host and hands it to the Parameter, so autograd's AccumulateGrad
+  accumulates it into the host .grad (accumulation, zero_grad, clipping and parameter groups
+  work as on a resident model). The device tensors of trained units never require grad. Such a
+  unit takes the general acquire path under grad (_acquire, u.live: what the slots hold, for the
+  release to recognise); under no_grad and for frozen units the common case is unchanged. opt
+  steps on the host (its state is there too); its step is wrapped (an instance attribute, a
+  method bound to opt; remove() puts back what was there) so that it ends by evicting the
+  units holding opt's parameters: a read-only buffer's device copy is dropped without a
+  transfer, and the next acquire uploads the updated host copy. On CUDA the gradient copies
+  are synchronous (.to(host) in backward), so the host step runs after the backward's device
+  work; a unit the plan prefetched meanwhile holds old values and is dropped by the eviction.
 - Buffers (rotary tables, norm statistics) are offloaded like weights, read-only. A buffer
   modified in place during a forward is detected at release (its version counter moved) and
   its new contents are written through to the host copy, so nothing is lost; this costs a
@@ -61,6 +77,7 @@ import ctypes
 import functools
 import operator
 import time
+import types
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -117,6 +134,49 @@ def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
     return type(mod).forward(mod, *args, **kwargs)
 
 
+def _check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str, torch.Tensor]],
+                     offload_trainable: Optional[bool]) -> None:
+    """offload(optimizer=opt) is refused before anything moves unless opt is a torch optimizer
+    all of whose parameters are trainable parameters of module, and module has some."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise InvalidArgument(f"offload: optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if offload_trainable is False:
+        raise ConfigError("offload: optimizer= trains the offloaded trainable parameters on the host; it cannot go "
+                          "with offload_trainable=False (leave offload_trainable out)")
+    if not trainable:
+        raise InvalidArgument(f"offload: optimizer= given, but no parameter of {type(module).__name__} requires "
+                              "grad: nothing to train")
+    names = {id(p): n for n, p in module.named_parameters()}
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) in trainable:
+                continue
+            what = (f"the model's {names[id(p)]!r}, which does not require grad" if id(p) in names else
+                    f"a {tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}")
+            raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is {what}; "
+                                  "every parameter of optimizer= must be a trainable parameter of the module")
+
+
+class _ToHost(torch.autograd.Function):
+    """What the slot of a trained parameter holds during a forward under grad: an alias of its
+    device tensor, whose gradient goes to the host Parameter. forward(host, dev) returns a view
+    of dev (the module computes with the device copy); backward hands the incoming gradient,
+    copied to the host, to host, so autograd's own AccumulateGrad accumulates it into
+    host.grad (accumulation over backwards, zero_grad, clipping and parameter groups then act
+    on the host Parameters as they would on resident ones), and nothing for dev (no device
+    .grad is ever kept). On CUDA that copy is .to(host) on the backward's stream, synchronous
+    with the host: the thing to overlap with the rest of the backward later."""
+
+    @staticmethod
+    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.host_device = host.device
+        return dev.view_as(dev)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.host_device), None
+
+
 class Offload:
     """Handle returned by offload(): statistics, explicit steps, and remove()."""
 
@@ -127,7 +187,7 @@ class Offload:
     @classmethod
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
-               context: Optional[Context] = None) -> "Offload":
+               context: Optional[Context] = None, optimizer: Any = None) -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         if not isinstance(module, nn.Module):
@@ -166,7 +226,11 @@ class Offload:
                 trainable[id(p)] = (pname, p)
         # A model none of whose weights is frozen (what from_pretrained returns) is offloaded
         # whole, for inference; one with frozen weights keeps its trainable ones (adapters) resident.
-        if offload_trainable is None:
+        # With an optimizer the trainable ones are offloaded and trained on the host.
+        if optimizer is not None:
+            _check_optimizer(module, optimizer, trainable, offload_trainable)
+            offload_trainable = True
+        elif offload_trainable is None:
             offload_trainable = len(trainable) == len({id(p) for p in params})
         kept = {} if offload_trainable else trainable
 
@@ -251,6 +315,15 @@ class Offload:
         self._needs = needs
         self._trainable = list(kept.values())  # the trainable parameters that stay resident
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
+        # optimizer=: the trainable parameters are offloaded and their host Parameters (the views
+        # into the packs) are the master copy the optimizer updates on the host; its step is
+        # wrapped (_wrap_step) so that it ends by dropping the device copies it made stale.
+        self.optimizer = optimizer
+        self._train = optimizer is not None
+        self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
+        self._step_wrap: Optional[Tuple[Any, bool, Any, Any]] = None  # (opt, had step attribute, it, ours)
+        self.optimizer_steps = 0
+        self.step_evictions = 0  # device copies of units dropped after optimizer steps
         # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the
         # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
         # wait for the interpreter lock in its destructor, and the exit hangs).
@@ -296,12 +369,16 @@ class Offload:
             owners = _param_owners(module)
             for u in units:
                 self._pack(u, owners)
+            if self._train:
+                self._to_host(optimizer)
             if backend == "cuda":
                 for _, p in self._trainable:
                     if p.device != dev:
                         self._moved_trainable.append((p, p.device))
                         p.data = p.data.to(dev)
             self._install(module, hooked)
+            if self._train:
+                self._wrap_step(optimizer)
         except BaseException:
             self._undo()
             raise
@@ -330,6 +407,11 @@ class Offload:
         u.slot_plan = (tuple((d, k, i) for i, e in enumerate(u.entries) if not e.is_buffer
                              for d, k in owners.get(id(e.tensor), ())),
                        tuple(i for i, e in enumerate(u.entries) if e.is_buffer))
+        u.trains = self._train and any(e.tensor.requires_grad for e in u.entries if not e.is_buffer)
+        if u.trains:
+            for e in u.entries:
+                if not e.is_buffer and e.tensor.requires_grad:
+                    self._param_unit[id(e.tensor)] = u
         u.dev_set, u.dev_at = self._new_set(u), 0
         u.dev_sets = {0: u.dev_set}
         for e in u.entries:
@@ -338,11 +420,13 @@ class Offload:
     def _new_set(self, u: _Unit) -> _DevSet:
         """A set of device tensors for u, pointing nowhere yet: normal tensors (not inference
         tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
-        inference_mode(False) switch (a large part of a re-point's cost otherwise)."""
+        inference_mode(False) switch (a large part of a re-point's cost otherwise). A trained
+        unit's device tensors do not require grad: its gradients go to the host Parameters
+        through _ToHost."""
         with torch.inference_mode(False):
             devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
             for e, d in zip(u.entries, devs):
-                if e.tensor.requires_grad:  # offloaded for inference: a backward that needs it says so
+                if e.tensor.requires_grad and not self._train:  # offloaded for inference: a backward that needs it says so
                     d.requires_grad_(True)
                     self._grad_hooks.append(d.register_hook(_needs_grad(e.name)))
         slots, bufs = u.slot_plan
@@ -494,11 +578,34 @@ class Offload:
         stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
         dset = u.dev_set if u.dev_at == ptr else self._place(u, ptr, stream)
-        _drain(map(_setitem, *dset[1][:3]))
+        if u.trains and torch.is_grad_enabled():
+            self._swap_trained(u, dset)
+        else:
+            _drain(map(_setitem, *dset[1][:3]))
         if u.buffer_entries:
             self._buffers_in(u, dset)
         u.stream, u.devptr, u.refs = stream, ptr, 1
         self._acquired[ptr] = u
+
+    @staticmethod
+    def _swap_trained(u: _Unit, dset: _DevSet) -> None:
+        """Point u's modules at its device copy for a forward under grad: the slot of each
+        parameter that requires grad gets _ToHost(parameter, device tensor), one per tensor
+        (its holders share it), the others their device tensor. u.live keeps what the slots
+        hold, for the release to recognise."""
+        ds, ks, vs, ps = dset[1]
+        made: Dict[int, torch.Tensor] = {}
+        live = []
+        for v, p in zip(vs, ps):
+            if p.requires_grad:
+                a = made.get(id(v))
+                if a is None:
+                    a = made[id(v)] = _ToHost.apply(p, v)
+                live.append(a)
+            else:
+                live.append(v)
+        u.live = tuple(live)
+        _drain(map(_setitem, ds, ks, u.live))
 
     def _place(self, u: _Unit, ptr: int, stream: Optional[int]) -> _DevSet:
         """u's device tensors at ptr, an address other than its last one: a set kept from an
@@ -525,10 +632,12 @@ class Offload:
         for t, h in u.host_pairs:
             t.data = h
 
-    def _unswap_each(self, u: _Unit) -> None:
-        """Put u's parameters back holder by holder: some module replaced its device tensor
-        during its forward, and keeps its own."""
-        for d, k, v, p in zip(*u.dev_set[1]):
+    def _unswap_each(self, u: _Unit, vs: Tuple[torch.Tensor, ...]) -> None:
+        """Put u's parameters back holder by holder: some module replaced what its slot held
+        (vs: the device tensors, or a trained acquisition's u.live) during its forward, and
+        keeps its own."""
+        ds, ks, _, ps = u.dev_set[1]
+        for d, k, v, p in zip(ds, ks, vs, ps):
             if d[k] is v:
                 d[k] = p
             else:
@@ -543,10 +652,12 @@ class Offload:
         if u.buffer_entries:
             self._buffers_out(u)
         ds, ks, vs, ps = u.dev_set[1]
+        if u.live is not None:  # a trained acquisition: the slots hold its _ToHost aliases
+            vs, u.live = u.live, None
         if all(map(_is, map(_getitem, ds, ks), vs)):
             _drain(map(_setitem, ds, ks, ps))
         else:
-            self._unswap_each(u)
+            self._unswap_each(u, vs)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
         if self._pend is not None:
@@ -647,7 +758,7 @@ class Offload:
                 if all(map(_is, map(_getitem, ds, ks), vs)):
                     _drain(map(_setitem, ds, ks, ps))
                 else:
-                    self._unswap_each(u)
+                    self._unswap_each(u, vs)
                 u.refs = 0
                 del acquired[ptr]
                 if self._pend is not None:
@@ -658,7 +769,19 @@ class Offload:
             hist[dt >> 10 if dt < _HIST_NS else _HIST_LAST] += 1
             return output
 
-        return forward
+        if one is None or not one.trains:
+            return forward
+        fast = forward
+        grad_enabled = torch.is_grad_enabled
+
+        def trained_forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            """A trained unit: under grad the general path (_acquire swaps in _ToHost aliases);
+            under no_grad or inference_mode the common case above."""
+            if mod is module and grad_enabled():
+                return self._units_call(inner, inner_units if self._depth else every, args, kwargs, clock())
+            return fast(mod, *args, **kwargs)
+
+        return trained_forward
 
     def _units_call(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
         """inner(*args, **kwargs) with units acquired around it, in general: any number of
@@ -770,7 +893,117 @@ class Offload:
                     self._step_end()
                 self._depth = 0
 
-    # ------------------------------------------------------------------ backward
+    # ------------------------------------------------------------------ training (optimizer=)
+    def _to_host(self, opt: torch.optim.Optimizer) -> None:
+        """The gradients of the offloaded parameters, and opt's state of them (all but "step",
+        as Optimizer.load_state_dict casts), on the host beside the host Parameters (they are
+        already there unless the model was on the device); _from_host moves them back."""
+        for u in self.units:
+            for e in u.entries:
+                g = None if e.is_buffer else e.tensor.grad
+                if g is not None and g.device != e.host_view.device:
+                    e.tensor.grad = g.to(e.host_view.device)
+        self._move_state(opt, None)
+
+    def _from_host(self, opt: torch.optim.Optimizer) -> None:
+        for u in self.units:
+            for e in u.entries:
+                g = None if e.is_buffer else e.tensor.grad
+                if g is not None and g.device != e.tensor.device:
+                    e.tensor.grad = g.to(e.tensor.device)
+        self._move_state(opt, "param")
+
+    @staticmethod
+    def _move_state(opt: torch.optim.Optimizer, to: Optional[str]) -> None:
+        """opt's state tensors of each parameter (but "step") to the host (to None) or to the
+        parameter's device (to "param")."""
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                dev = p.device if to == "param" else torch.device("cpu")
+                for k, v in list(st.items()):
+                    if k != "step" and isinstance(v, torch.Tensor) and v.device != dev:
+                        st[k] = v.to(dev)
+
+    def _wrap_step(self, opt: torch.optim.Optimizer) -> None:
+        """Make opt.step end by dropping the device copies of the units that hold opt's
+        parameters (_refresh): the step changed their host copies. An instance attribute, a
+        method bound to opt (torch's LR schedulers re-wrap opt.step through its __func__);
+        remove() puts back what was there. The wrapper holds this Offload weakly and, once it
+        is removed or gone, only steps (so a scheduler that wrapped it afterwards keeps working).
+        A closure (LBFGS calls it several times per step, changing the parameters between calls)
+        is wrapped too: each call first drops the stale device copies."""
+        had = "step" in opt.__dict__
+        prev = opt.__dict__.get("step")
+        inner = opt.step
+        ref = weakref.ref(self)
+
+        def fresh(closure: Any) -> Any:
+            def call() -> Any:
+                off = ref()
+                if off is not None and not off._closed:
+                    off._refresh()
+                return closure()
+            return call
+
+        def step(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
+            off = ref()
+            if off is None or off._closed:
+                return inner(*args, **kwargs)
+            if args and callable(args[0]):
+                args = (fresh(args[0]),) + args[1:]
+            elif kwargs.get("closure") is not None:
+                kwargs["closure"] = fresh(kwargs["closure"])
+            try:
+                return inner(*args, **kwargs)
+            finally:  # also after a failed step: it may have updated some parameters
+                off._refresh()
+                off.optimizer_steps += 1
+
+        for attr in ("__doc__", "__name__", "__qualname__"):
+            if hasattr(inner, attr):
+                setattr(step, attr, getattr(inner, attr))
+        step.__wrapped__ = inner  # type: ignore[attr-defined]
+        if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
+            step._with_counter = True  # type: ignore[attr-defined]
+        bound = types.MethodType(step, opt)
+        opt.step = bound  # type: ignore[method-assign]
+        self._step_wrap = (opt, had, prev, bound)
+
+    def _unwrap_step(self) -> None:
+        w, self._step_wrap = self._step_wrap, None
+        if w is None:
+            return
+        opt, had, prev, bound = w
+        if opt.__dict__.get("step") is bound:
+            if had:
+                opt.step = prev  # type: ignore[method-assign]
+            else:
+                del opt.step
+        # else something wrapped it since (an LR scheduler): left in place, ours only steps now
+
+    def _refresh(self) -> None:
+        """Drop the device copy of every unit holding a parameter of the optimizer (spw_evict;
+        a read-only buffer's copy is dropped without a transfer): the next acquire uploads the
+        host copy the step updated."""
+        if self._depth or self._acquired:
+            raise StateError("spillway.torch: the optimizer stepped during a forward of the offloaded module; "
+                             "call opt.step() after backward")
+        units: Dict[int, _Unit] = {}
+        pu = self._param_unit
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                u = pu.get(id(p))
+                if u is not None:
+                    units[u.index] = u
+        for u in units.values():
+            st = _lib_c.spw_evict(u.handle)
+            if st:
+                raise error_for(st)
+        self.step_evictions += len(units)
+
     # ------------------------------------------------------------------ steps
     def _step_begin(self) -> None:
         st = _lib_c.spw_step_begin(self._ctx_handle)
@@ -821,8 +1054,11 @@ class Offload:
     def remove(self) -> None:
         """Put the module back as it was: every offloaded tensor restored with its values on its
         original device and strides, trainable parameters moved back, hooks and the forward
-        wrapper removed, buffers and the context destroyed. final_stats keeps the library's
-        counters taken after the buffers were destroyed."""
+        wrapper removed, buffers and the context destroyed. With optimizer=: its step put back
+        as it was (unless something wrapped it since, an LR scheduler: then our wrapper, left
+        inside, only steps), and gradients and optimizer state moved to their parameters'
+        devices. final_stats keeps the library's counters taken after the buffers were
+        destroyed."""
         self._live()
         if self._depth or self._acquired:
             raise StateError("spillway.torch: remove() during a forward")
@@ -832,6 +1068,8 @@ class Offload:
         """Restore whatever was moved so far (also the rollback of a failed offload())."""
         self._closed = True
         _ACTIVE.pop(self.module, None)
+        if getattr(self, "_step_wrap", None) is not None:
+            self._unwrap_step()
         for m, had, old in reversed(getattr(self, "_wrapped", [])):
             if had:
                 m.forward = old  # type: ignore[method-assign]
@@ -853,6 +1091,8 @@ class Offload:
             u.host_pairs = ()
             u.dev_set, u.dev_sets = None, {}
             u.dev_at = 0
+        if getattr(self, "_train", False):
+            self._from_host(self.optimizer)
         for h in getattr(self, "_grad_hooks", ()):
             h.remove()
         self._grad_hooks = []

@@ -31,7 +31,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     backward), view_hits/view_builds (the unit's device tensors found over its address / made
     or re-pointed there: an address it had not been at, or not among its latest sets), steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
-    aliased a unit being released, copied so they outlive it)."""
+    aliased a unit being released, copied so they outlive it), optimizer_steps and
+    step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
+    made stale, dropped)."""
     return {
         "hook_ns": off.hook_ns,
         "hook_us_median": _median_us(off._hook_hist),
@@ -43,6 +45,8 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "saved_reacquires": off.saved_reacquires,
         "buffer_writebacks": off.buffer_writebacks,
         "outputs_cloned": off.outputs_cloned,
+        "optimizer_steps": off.optimizer_steps,
+        "step_evictions": off.step_evictions,
     }
 
 
@@ -92,6 +96,12 @@ def summary(off: Any) -> str:
         f"  resident units    {s['buffers_resident']['current']} now, "
         f"{format_size(s['live']['current'])} on the device",
     ]
+    if off.optimizer is not None:
+        trained = [e for u in off.units if u.trains for e in u.entries if not e.is_buffer and e.tensor.requires_grad]
+        nb = sum(e.nbytes for e in trained)
+        lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
+                     f"{type(off.optimizer).__name__} (gradients and its state in host memory), "
+                     f"{_plural(off.optimizer_steps, 'step')}, {off.step_evictions} stale device copies dropped")
     if off._trainable:
         nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
         shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")

@@ -84,7 +84,8 @@ class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
-                 "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_sets", "slot_plan")
+                 "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_sets", "slot_plan", "trains",
+                 "live")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -111,6 +112,12 @@ class _Unit:
         # What a set swaps: (holder's _parameters dict, key, entry index) for each parameter
         # slot, and the entry indices of buffers.
         self.slot_plan: Tuple[Tuple[Tuple[Dict[str, Any], str, int], ...], Tuple[int, ...]] = ((), ())
+        # Trained through the offload (optimizer=): the unit holds a parameter that required grad
+        # at offload(). Under grad its acquire stores in each such slot an autograd alias of the
+        # device tensor (_offload._ToHost) instead of the device tensor; live is what the slots
+        # hold during that acquisition (parallel to the set's slot columns), None otherwise.
+        self.trains = False
+        self.live: Optional[Tuple[torch.Tensor, ...]] = None
 
     def add(self, entry: _Entry) -> None:
         entry.offset = _align(self.nbytes)

@@ -1,0 +1,378 @@
+"""Training through spillway.torch.offload(model, budget, optimizer=opt) on the emu backend: the
+trainable parameters are offloaded, gradients reach their host Parameters through autograd, the
+optimizer steps on the host. Every case trains an identical resident copy the same way and
+compares bitwise: losses at every step, gradients, parameters after 5 steps."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Callable, List
+
+import pytest
+import torch
+from torch import nn
+
+import spillway
+import spillway.torch as spt
+from models import make_decoder, moved, offloaded_bytes
+
+EMU = dict(backend="emu")
+STEPS = 5
+
+
+def stack(seed: int = 0, dim: int = 512, depth: int = 8) -> nn.Sequential:
+    """depth Linear+Tanh layers: 8 MiB at the defaults, twice a 4 MiB budget."""
+    torch.manual_seed(seed)
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(dim, dim), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def snapshot(m: nn.Module):
+    return {n: (t, t.data_ptr(), t.detach().clone(), t.device)
+            for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+
+
+def assert_unchanged(m: nn.Module, snap) -> None:
+    now = dict(list(m.named_parameters()) + list(m.named_buffers()))
+    assert set(now) == set(snap)
+    for n, (t, ptr, val, dev) in snap.items():
+        assert now[n] is t and t.data_ptr() == ptr and t.device == dev and torch.equal(t, val), n
+    for sub in m.modules():
+        assert "forward" not in sub.__dict__
+
+
+def assert_params_equal(m: nn.Module, ref: nn.Module, grads: bool = False) -> None:
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
+        if grads:
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), n
+
+
+def train(m: nn.Module, ref: nn.Module, make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+          batches: Callable[[int], List], loss_of: Callable, budget: str = "4MiB", micro: int = 1,
+          clip: float = 0.0, set_to_none: bool = True, explicit: bool = False, **offload_args):
+    """STEPS steps of `micro` forward+backward passes each (then clip, step, zero_grad) on m
+    offloaded under budget and on ref resident, compared bitwise throughout; explicit: each
+    step inside `with off.step():`. Returns the Offload, still active."""
+    opt, opt_ref = make_opt(m), make_opt(ref)
+    off = spt.offload(m, budget=budget, optimizer=opt, **EMU, **offload_args)
+    assert off.optimizer is opt
+    trained = sum(u.nbytes for u in off.units if u.trains)
+    h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
+    since_step = None
+    for step in range(STEPS):
+        scope = off.step() if explicit else contextlib.nullcontext()
+        scope.__enter__()
+        for i, x in enumerate(batches(step)[:micro]):
+            loss = moved(off, lambda: loss_of(m, x))
+            if since_step is not None:  # the step dropped every trained unit's device copy: all came back
+                assert h2d() - since_step >= trained
+                since_step = None
+            want = loss_of(ref, x)
+            assert torch.equal(loss, want), (step, loss, want)
+            loss.backward()
+            want.backward()
+        assert_params_equal(m, ref, grads=True)
+        if clip:
+            n1 = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip)
+            n2 = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=clip)
+            assert torch.equal(n1, n2)
+        opt.step()
+        since_step = h2d()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        opt_ref.zero_grad(set_to_none=set_to_none)
+        scope.__exit__(None, None, None)
+    assert_params_equal(m, ref, grads=True)
+    packs = [(u.pack.data_ptr(), u.pack.data_ptr() + u.pack.numel()) for u in off.units]
+    for sub in m.modules():  # every slot holds its Parameter again, a view into its unit's pack
+        for n, p in sub._parameters.items():
+            if p is not None:
+                assert type(p) is nn.Parameter and any(a <= p.data_ptr() < b for a, b in packs), n
+    h = off.stats()["offload"]
+    assert h["optimizer_steps"] == STEPS and h["step_evictions"] >= STEPS
+    assert h["saved_packed"] > 0 and h["saved_reacquires"] > 0  # the weights backward needed were records
+    return off
+
+
+def mse(model: nn.Module, x) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def stack_batches(step: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(4, 512, generator=g) for _ in range(4)]
+
+
+def finish(off, m: nn.Module, ref: nn.Module, x) -> None:
+    """Inference on the trained weights (the fast path, fresh uploads) equal to ref, then remove()."""
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    opt = off.optimizer
+    off.remove()
+    assert "step" not in opt.__dict__  # the wrapper is gone
+    assert_params_equal(m, ref)
+    assert all(p.device.type == "cpu" for p in m.parameters())
+
+
+@pytest.mark.parametrize("policy", ["plan", "lru"])
+def test_sgd_with_momentum(policy):
+    m = stack()
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9), stack_batches, mse,
+                policy=policy)
+    assert offloaded_bytes(off) == sum(u.nbytes for u in off.units if u.trains)  # everything trained
+    for u in off.units:  # no device tensor requires grad: no device .grad is ever kept
+        assert not any(d.requires_grad for d in u.dev_set[0])
+    s = off.summary()
+    assert "trained on host   16 trainable parameters" in s and "by SGD" in s and "5 steps" in s
+    assert "kept resident" not in s
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto-steps", "off.step"])
+def test_adamw(explicit):
+    m = stack(1)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1), stack_batches,
+                mse, explicit=explicit)
+    assert "by AdamW" in off.summary()
+    assert off.steps == STEPS  # explicit: one plan step per `with`, forward, backward and optimizer step
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_accumulation_over_micro_batches_and_clipping():
+    m = stack(2)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-2), stack_batches, mse,
+                micro=4, clip=1.0)
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_two_parameter_groups():
+    def groups(mod: nn.Module) -> torch.optim.Optimizer:
+        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+        return torch.optim.AdamW([{"params": weights, "lr": 1e-3, "weight_decay": 0.1},
+                                  {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
+    m = stack(3)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, groups, stack_batches, mse)
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(set_to_none):
+    m = stack(4)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05), stack_batches, mse,
+                micro=2, set_to_none=set_to_none)
+    for p in m.parameters():
+        assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_tied_embedding_and_head():
+    m = make_decoder(vocab=1024, dim=256, heads=4, layers=4).train()  # 14 MiB, lm_head tied to embed
+    ref = copy.deepcopy(m)
+    assert m.lm_head.weight is m.embed.weight
+
+    def batches(step: int):
+        g = torch.Generator().manual_seed(step)
+        return [(torch.randint(0, 1024, (2, 8), generator=g), torch.randint(0, 1024, (2, 8), generator=g))]
+
+    def loss_of(model, batch):
+        ids, target = batch
+        logits, _ = model(ids)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    off = train(m, ref, lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3), batches, loss_of, budget="8MiB")
+    assert m.lm_head.weight is m.embed.weight  # still one Parameter
+    ids = batches(9)[0][0]
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(ids)[0]), ref(ids)[0])
+    off.remove()
+    assert_params_equal(m, ref)
+
+
+class Twice(nn.Module):
+    """One block called twice per forward: its unit is acquired, released and acquired again,
+    so two aliases of each weight feed the same host Parameter's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = nn.Linear(512, 512)
+        self.shared = nn.Linear(512, 512)
+        self.mid = nn.Linear(512, 512)
+        self.out = nn.Linear(512, 512)
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))
+        x = torch.tanh(self.shared(x))
+        x = torch.tanh(self.mid(x))
+        x = torch.tanh(self.shared(x))
+        return self.out(x)
+
+
+def test_a_unit_used_twice_in_a_forward():
+    m = Twice()
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9), stack_batches, mse,
+                budget="2MiB")
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_adapters_on_a_frozen_base_are_offloaded_and_trained():
+    """optimizer= offloads the trainable parameters also where the base is frozen (without it
+    they stay resident): the adapters' units are trained, the frozen ones are not touched."""
+    class Adapted(nn.Module):
+        def __init__(self, base: nn.Linear) -> None:
+            super().__init__()
+            self.base = base
+            self.a = nn.Parameter(torch.randn(8, base.in_features) * 0.05)
+            self.b = nn.Parameter(torch.randn(base.out_features, 8) * 0.05)
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+    m = stack(6).requires_grad_(False)
+    for i in range(0, len(m), 2):
+        m[i] = Adapted(m[i])
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.AdamW([p for p in mod.parameters() if p.requires_grad], lr=1e-2),
+                stack_batches, mse)
+    assert off._trainable == []  # nothing kept resident
+    trained = {e.name for u in off.units if u.trains for e in u.entries if e.tensor.requires_grad}
+    assert len(trained) == 16 and all(n.endswith((".a", ".b")) for n in trained)
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_a_closure_sees_the_parameters_of_each_of_its_calls():
+    """LBFGS calls its closure several times in one step and changes the parameters between the
+    calls: each call runs on the current values."""
+    m = stack(7, depth=4)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4, history_size=3)
+    opt_ref = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=4, history_size=3)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, **EMU)  # 4.02 MiB: most units stay resident across calls
+    calls = []
+
+    def closure_of(model, o, x):
+        def closure():
+            o.zero_grad()
+            loss = mse(model, x)
+            loss.backward()
+            calls.append(loss.detach())
+            return loss
+        return closure
+
+    for step in range(3):
+        x = stack_batches(step)[0]
+        n = len(calls)
+        got = moved(off, lambda: opt.step(closure_of(m, opt, x)))
+        mine = calls[n:]
+        want = opt_ref.step(closure_of(ref, opt_ref, x))
+        theirs = calls[n + len(mine):]
+        assert torch.equal(got, want) and len(mine) == len(theirs) > 1
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        assert_params_equal(m, ref)
+    off.remove()
+
+
+def test_remove_puts_the_optimizer_back_and_training_goes_on_resident():
+    m = stack(8)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, **EMU)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # wraps opt.step over ours
+    sched_ref = torch.optim.lr_scheduler.StepLR(opt_ref, step_size=2, gamma=0.5)
+    x = stack_batches(0)[0]
+
+    def step(model, o, s):
+        loss = mse(model, x)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        s.step()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no scheduler warning about opt.step being overridden
+        for i in range(4):
+            if i == 2:
+                off.remove()
+            assert torch.equal(step(m, opt, sched), step(ref, opt_ref, sched_ref))
+    assert_params_equal(m, ref)
+    assert opt.state[m[0].weight]["momentum_buffer"].device.type == "cpu"
+    with pytest.raises(spillway.StateError, match="removed"):
+        off.summary()
+
+
+# ---- bad input: a clear error before anything moves; the model unchanged and usable ----
+
+def check_refused(m: nn.Module, exc, match: str, **kw) -> None:
+    ref = copy.deepcopy(m)
+    snap = snapshot(m)
+    with pytest.raises(exc, match=match):
+        spt.offload(m, budget="4MiB", **EMU, **kw)
+    assert_unchanged(m, snap)
+    x = stack_batches(0)[0]
+    assert torch.equal(m(x), ref(x))  # still usable, resident
+
+
+def test_an_optimizer_holding_a_parameter_outside_the_model():
+    m = stack()
+    stray = nn.Parameter(torch.zeros(3, 3))
+    check_refused(m, spillway.InvalidArgument, r"parameter group 1, parameter 0 is a \(3, 3\) tensor that is not a "
+                  "parameter of Sequential",
+                  optimizer=torch.optim.SGD([{"params": m.parameters()}, {"params": [stray]}], lr=0.1))
+
+
+def test_an_optimizer_holding_a_frozen_parameter_of_the_model():
+    m = stack()
+    m[2].weight.requires_grad_(False)
+    check_refused(m, spillway.InvalidArgument, "parameter 2 is the model's '2.weight', which does not require grad",
+                  optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_an_optimizer_for_a_model_with_nothing_trainable():
+    m = stack().requires_grad_(False)
+    check_refused(m, spillway.InvalidArgument, "no parameter of Sequential requires grad",
+                  optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_an_optimizer_that_is_not_an_optimizer():
+    m = stack()
+    check_refused(m, spillway.InvalidArgument, "optimizer must be a torch.optim.Optimizer, got list",
+                  optimizer=list(m.parameters()))
+
+
+def test_an_optimizer_with_offload_trainable_false():
+    m = stack()
+    check_refused(m, spillway.ConfigError, "cannot go with offload_trainable=False",
+                  optimizer=torch.optim.SGD(m.parameters(), lr=0.1), offload_trainable=False)
+
+
+def test_an_optimizer_for_several_modules():
+    a, b = stack(), stack(1)
+    with pytest.raises(spillway.InvalidArgument, match="optimizer= trains one nn.Module"):
+        spt.offload([a, b], budget="4MiB", optimizer=torch.optim.SGD(a.parameters(), lr=0.1), **EMU)
+    assert all("forward" not in s.__dict__ for s in list(a.modules()) + list(b.modules()))
+
+
+def test_without_an_optimizer_a_trainable_model_is_offloaded_for_inference():
+    m = stack()
+    off = spt.offload(m, budget="4MiB", **EMU)
+    assert off.optimizer is None and not any(u.trains for u in off.units)
+    y = moved(off, lambda: m(stack_batches(0)[0]))
+    with pytest.raises(RuntimeError, match="offloaded for inference.*or pass optimizer="):
+        y.sum().backward()
+    off.remove()
+    assert all(p.grad is None for p in m.parameters())
