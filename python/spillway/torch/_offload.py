@@ -48,7 +48,7 @@ How it works, and the contracts it keeps:
   _errors.py). offload_trainable forces either.
 - Training (optimizer=opt): the trainable parameters are offloaded and their host Parameters
   are the master copy. While grad is enabled the slot of each one gets, instead of the device
-  tensor, _ToHost(parameter, device tensor): an alias of the device tensor whose backward
+  tensor, _train.ToHost(parameter, device tensor): an alias of the device tensor whose backward
   copies the gradient to the host and hands it to the Parameter, so autograd's AccumulateGrad
   accumulates it into the host .grad (accumulation, zero_grad, clipping and parameter groups
   work as on a resident model). The device tensors of trained units never require grad. Such a
@@ -77,7 +77,6 @@ import ctypes
 import functools
 import operator
 import time
-import types
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -88,7 +87,7 @@ from .. import _lib
 from ..core import Context, budget_bytes, format_size, parse_budget, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _partition, _report
+from . import _alloc, _partition, _report, _train
 from ._device import (_ARENA_PAGE, _PAGE, _SMALL_LIMIT, _arena_page, _device_memory, _large_page, _reserve,
                       _resolve_device)
 from ._errors import OutOfMemoryError, _needs_grad
@@ -132,49 +131,6 @@ def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
     """The forward of a deep copy of an offloaded module: its class's, on the copy's own tensors
     (copies of the host views), with nothing acquired."""
     return type(mod).forward(mod, *args, **kwargs)
-
-
-def _check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str, torch.Tensor]],
-                     offload_trainable: Optional[bool]) -> None:
-    """offload(optimizer=opt) is refused before anything moves unless opt is a torch optimizer
-    all of whose parameters are trainable parameters of module, and module has some."""
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise InvalidArgument(f"offload: optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
-    if offload_trainable is False:
-        raise ConfigError("offload: optimizer= trains the offloaded trainable parameters on the host; it cannot go "
-                          "with offload_trainable=False (leave offload_trainable out)")
-    if not trainable:
-        raise InvalidArgument(f"offload: optimizer= given, but no parameter of {type(module).__name__} requires "
-                              "grad: nothing to train")
-    names = {id(p): n for n, p in module.named_parameters()}
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if id(p) in trainable:
-                continue
-            what = (f"the model's {names[id(p)]!r}, which does not require grad" if id(p) in names else
-                    f"a {tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}")
-            raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is {what}; "
-                                  "every parameter of optimizer= must be a trainable parameter of the module")
-
-
-class _ToHost(torch.autograd.Function):
-    """What the slot of a trained parameter holds during a forward under grad: an alias of its
-    device tensor, whose gradient goes to the host Parameter. forward(host, dev) returns a view
-    of dev (the module computes with the device copy); backward hands the incoming gradient,
-    copied to the host, to host, so autograd's own AccumulateGrad accumulates it into
-    host.grad (accumulation over backwards, zero_grad, clipping and parameter groups then act
-    on the host Parameters as they would on resident ones), and nothing for dev (no device
-    .grad is ever kept). On CUDA that copy is .to(host) on the backward's stream, synchronous
-    with the host: the thing to overlap with the rest of the backward later."""
-
-    @staticmethod
-    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.host_device = host.device
-        return dev.view_as(dev)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad.to(ctx.host_device), None
 
 
 class Offload:
@@ -228,7 +184,7 @@ class Offload:
         # whole, for inference; one with frozen weights keeps its trainable ones (adapters) resident.
         # With an optimizer the trainable ones are offloaded and trained on the host.
         if optimizer is not None:
-            _check_optimizer(module, optimizer, trainable, offload_trainable)
+            _train.check_optimizer(module, optimizer, trainable, offload_trainable)
             offload_trainable = True
         elif offload_trainable is None:
             offload_trainable = len(trainable) == len({id(p) for p in params})
@@ -317,7 +273,7 @@ class Offload:
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
         # optimizer=: the trainable parameters are offloaded and their host Parameters (the views
         # into the packs) are the master copy the optimizer updates on the host; its step is
-        # wrapped (_wrap_step) so that it ends by dropping the device copies it made stale.
+        # wrapped (_train.wrap_step) so that it ends by dropping the device copies it made stale.
         self.optimizer = optimizer
         self._train = optimizer is not None
         self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
@@ -370,7 +326,7 @@ class Offload:
             for u in units:
                 self._pack(u, owners)
             if self._train:
-                self._to_host(optimizer)
+                _train.to_host(self, optimizer)
             if backend == "cuda":
                 for _, p in self._trainable:
                     if p.device != dev:
@@ -378,7 +334,7 @@ class Offload:
                         p.data = p.data.to(dev)
             self._install(module, hooked)
             if self._train:
-                self._wrap_step(optimizer)
+                _train.wrap_step(self, optimizer)
         except BaseException:
             self._undo()
             raise
@@ -422,7 +378,7 @@ class Offload:
         tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
         inference_mode(False) switch (a large part of a re-point's cost otherwise). A trained
         unit's device tensors do not require grad: its gradients go to the host Parameters
-        through _ToHost."""
+        through _train.ToHost."""
         with torch.inference_mode(False):
             devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
             for e, d in zip(u.entries, devs):
@@ -590,7 +546,7 @@ class Offload:
     @staticmethod
     def _swap_trained(u: _Unit, dset: _DevSet) -> None:
         """Point u's modules at its device copy for a forward under grad: the slot of each
-        parameter that requires grad gets _ToHost(parameter, device tensor), one per tensor
+        parameter that requires grad gets _train.ToHost(parameter, device tensor), one per tensor
         (its holders share it), the others their device tensor. u.live keeps what the slots
         hold, for the release to recognise."""
         ds, ks, vs, ps = dset[1]
@@ -600,7 +556,7 @@ class Offload:
             if p.requires_grad:
                 a = made.get(id(v))
                 if a is None:
-                    a = made[id(v)] = _ToHost.apply(p, v)
+                    a = made[id(v)] = _train.ToHost.apply(p, v)
                 live.append(a)
             else:
                 live.append(v)
@@ -652,7 +608,7 @@ class Offload:
         if u.buffer_entries:
             self._buffers_out(u)
         ds, ks, vs, ps = u.dev_set[1]
-        if u.live is not None:  # a trained acquisition: the slots hold its _ToHost aliases
+        if u.live is not None:  # a trained acquisition: the slots hold its _train.ToHost aliases
             vs, u.live = u.live, None
         if all(map(_is, map(_getitem, ds, ks), vs)):
             _drain(map(_setitem, ds, ks, ps))
@@ -775,7 +731,7 @@ class Offload:
         grad_enabled = torch.is_grad_enabled
 
         def trained_forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            """A trained unit: under grad the general path (_acquire swaps in _ToHost aliases);
+            """A trained unit: under grad the general path (_acquire swaps in _train.ToHost aliases);
             under no_grad or inference_mode the common case above."""
             if mod is module and grad_enabled():
                 return self._units_call(inner, inner_units if self._depth else every, args, kwargs, clock())
@@ -893,117 +849,6 @@ class Offload:
                     self._step_end()
                 self._depth = 0
 
-    # ------------------------------------------------------------------ training (optimizer=)
-    def _to_host(self, opt: torch.optim.Optimizer) -> None:
-        """The gradients of the offloaded parameters, and opt's state of them (all but "step",
-        as Optimizer.load_state_dict casts), on the host beside the host Parameters (they are
-        already there unless the model was on the device); _from_host moves them back."""
-        for u in self.units:
-            for e in u.entries:
-                g = None if e.is_buffer else e.tensor.grad
-                if g is not None and g.device != e.host_view.device:
-                    e.tensor.grad = g.to(e.host_view.device)
-        self._move_state(opt, None)
-
-    def _from_host(self, opt: torch.optim.Optimizer) -> None:
-        for u in self.units:
-            for e in u.entries:
-                g = None if e.is_buffer else e.tensor.grad
-                if g is not None and g.device != e.tensor.device:
-                    e.tensor.grad = g.to(e.tensor.device)
-        self._move_state(opt, "param")
-
-    @staticmethod
-    def _move_state(opt: torch.optim.Optimizer, to: Optional[str]) -> None:
-        """opt's state tensors of each parameter (but "step") to the host (to None) or to the
-        parameter's device (to "param")."""
-        for group in opt.param_groups:
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                dev = p.device if to == "param" else torch.device("cpu")
-                for k, v in list(st.items()):
-                    if k != "step" and isinstance(v, torch.Tensor) and v.device != dev:
-                        st[k] = v.to(dev)
-
-    def _wrap_step(self, opt: torch.optim.Optimizer) -> None:
-        """Make opt.step end by dropping the device copies of the units that hold opt's
-        parameters (_refresh): the step changed their host copies. An instance attribute, a
-        method bound to opt (torch's LR schedulers re-wrap opt.step through its __func__);
-        remove() puts back what was there. The wrapper holds this Offload weakly and, once it
-        is removed or gone, only steps (so a scheduler that wrapped it afterwards keeps working).
-        A closure (LBFGS calls it several times per step, changing the parameters between calls)
-        is wrapped too: each call first drops the stale device copies."""
-        had = "step" in opt.__dict__
-        prev = opt.__dict__.get("step")
-        inner = opt.step
-        ref = weakref.ref(self)
-
-        def fresh(closure: Any) -> Any:
-            def call() -> Any:
-                off = ref()
-                if off is not None and not off._closed:
-                    off._refresh()
-                return closure()
-            return call
-
-        def step(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
-            off = ref()
-            if off is None or off._closed:
-                return inner(*args, **kwargs)
-            if args and callable(args[0]):
-                args = (fresh(args[0]),) + args[1:]
-            elif kwargs.get("closure") is not None:
-                kwargs["closure"] = fresh(kwargs["closure"])
-            try:
-                return inner(*args, **kwargs)
-            finally:  # also after a failed step: it may have updated some parameters
-                off._refresh()
-                off.optimizer_steps += 1
-
-        for attr in ("__doc__", "__name__", "__qualname__"):
-            if hasattr(inner, attr):
-                setattr(step, attr, getattr(inner, attr))
-        step.__wrapped__ = inner  # type: ignore[attr-defined]
-        if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
-            step._with_counter = True  # type: ignore[attr-defined]
-        bound = types.MethodType(step, opt)
-        opt.step = bound  # type: ignore[method-assign]
-        self._step_wrap = (opt, had, prev, bound)
-
-    def _unwrap_step(self) -> None:
-        w, self._step_wrap = self._step_wrap, None
-        if w is None:
-            return
-        opt, had, prev, bound = w
-        if opt.__dict__.get("step") is bound:
-            if had:
-                opt.step = prev  # type: ignore[method-assign]
-            else:
-                del opt.step
-        # else something wrapped it since (an LR scheduler): left in place, ours only steps now
-
-    def _refresh(self) -> None:
-        """Drop the device copy of every unit holding a parameter of the optimizer (spw_evict;
-        a read-only buffer's copy is dropped without a transfer): the next acquire uploads the
-        host copy the step updated."""
-        if self._depth or self._acquired:
-            raise StateError("spillway.torch: the optimizer stepped during a forward of the offloaded module; "
-                             "call opt.step() after backward")
-        units: Dict[int, _Unit] = {}
-        pu = self._param_unit
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                u = pu.get(id(p))
-                if u is not None:
-                    units[u.index] = u
-        for u in units.values():
-            st = _lib_c.spw_evict(u.handle)
-            if st:
-                raise error_for(st)
-        self.step_evictions += len(units)
-
     # ------------------------------------------------------------------ steps
     def _step_begin(self) -> None:
         st = _lib_c.spw_step_begin(self._ctx_handle)
@@ -1069,7 +914,7 @@ class Offload:
         self._closed = True
         _ACTIVE.pop(self.module, None)
         if getattr(self, "_step_wrap", None) is not None:
-            self._unwrap_step()
+            _train.unwrap_step(self)
         for m, had, old in reversed(getattr(self, "_wrapped", [])):
             if had:
                 m.forward = old  # type: ignore[method-assign]
@@ -1092,7 +937,7 @@ class Offload:
             u.dev_set, u.dev_sets = None, {}
             u.dev_at = 0
         if getattr(self, "_train", False):
-            self._from_host(self.optimizer)
+            _train.from_host(self, self.optimizer)
         for h in getattr(self, "_grad_hooks", ()):
             h.remove()
         self._grad_hooks = []

@@ -114,7 +114,7 @@ class _Unit:
         self.slot_plan: Tuple[Tuple[Tuple[Dict[str, Any], str, int], ...], Tuple[int, ...]] = ((), ())
         # Trained through the offload (optimizer=): the unit holds a parameter that required grad
         # at offload(). Under grad its acquire stores in each such slot an autograd alias of the
-        # device tensor (_offload._ToHost) instead of the device tensor; live is what the slots
+        # device tensor (_train.ToHost) instead of the device tensor; live is what the slots
         # hold during that acquisition (parallel to the set's slot columns), None otherwise.
         self.trains = False
         self.live: Optional[Tuple[torch.Tensor, ...]] = None

@@ -1,0 +1,177 @@
+"""Training through an offload (offload(..., optimizer=opt)): the user's optimizer updates the
+host Parameters, the master copies in the units' pinned packs. Gradients reach them through
+autograd (ToHost, the alias a trained parameter's slot holds under grad); after each step the
+units holding opt's parameters drop their device copies, which the step made stale. Functions
+over an Offload's attributes; the hot path that swaps the aliases in is _offload.py's."""
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import _lib
+from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from ._units import _Unit
+
+_lib_c = _lib.lib
+
+
+def check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str, torch.Tensor]],
+                     offload_trainable: Optional[bool]) -> None:
+    """offload(optimizer=opt) is refused before anything moves unless opt is a torch optimizer
+    all of whose parameters are trainable parameters of module, and module has some."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise InvalidArgument(f"offload: optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if offload_trainable is False:
+        raise ConfigError("offload: optimizer= trains the offloaded trainable parameters on the host; it cannot go "
+                          "with offload_trainable=False (leave offload_trainable out)")
+    if not trainable:
+        raise InvalidArgument(f"offload: optimizer= given, but no parameter of {type(module).__name__} requires "
+                              "grad: nothing to train")
+    names = {id(p): n for n, p in module.named_parameters()}
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) in trainable:
+                continue
+            what = (f"the model's {names[id(p)]!r}, which does not require grad" if id(p) in names else
+                    f"a {tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}")
+            raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is {what}; "
+                                  "every parameter of optimizer= must be a trainable parameter of the module")
+
+
+class ToHost(torch.autograd.Function):
+    """What the slot of a trained parameter holds during a forward under grad: an alias of its
+    device tensor, whose gradient goes to the host Parameter. forward(host, dev) returns a view
+    of dev (the module computes with the device copy); backward hands the incoming gradient,
+    copied to the host, to host, so autograd's own AccumulateGrad accumulates it into
+    host.grad (accumulation over backwards, zero_grad, clipping and parameter groups then act
+    on the host Parameters as they would on resident ones), and nothing for dev (no device
+    .grad is ever kept). On CUDA that copy is .to(host) on the backward's stream, synchronous
+    with the host: the thing to overlap with the rest of the backward later."""
+
+    @staticmethod
+    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.host_device = host.device
+        return dev.view_as(dev)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.host_device), None
+
+
+def to_host(off: Any, opt: torch.optim.Optimizer) -> None:
+    """The gradients of the offloaded parameters, and opt's state of them (all but "step",
+    as Optimizer.load_state_dict casts), on the host beside the host Parameters (they are
+    already there unless the model was on the device); from_host moves them back."""
+    for u in off.units:
+        for e in u.entries:
+            g = None if e.is_buffer else e.tensor.grad
+            if g is not None and g.device != e.host_view.device:
+                e.tensor.grad = g.to(e.host_view.device)
+    _move_state(opt, None)
+
+
+def from_host(off: Any, opt: torch.optim.Optimizer) -> None:
+    for u in off.units:
+        for e in u.entries:
+            g = None if e.is_buffer else e.tensor.grad
+            if g is not None and g.device != e.tensor.device:
+                e.tensor.grad = g.to(e.tensor.device)
+    _move_state(opt, "param")
+
+
+def _move_state(opt: torch.optim.Optimizer, to: Optional[str]) -> None:
+    """opt's state tensors of each parameter (but "step") to the host (to None) or to the
+    parameter's device (to "param")."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            dev = p.device if to == "param" else torch.device("cpu")
+            for k, v in list(st.items()):
+                if k != "step" and isinstance(v, torch.Tensor) and v.device != dev:
+                    st[k] = v.to(dev)
+
+
+def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
+    """Make opt.step end by dropping the device copies of the units that hold opt's
+    parameters (refresh): the step changed their host copies. An instance attribute, a
+    method bound to opt (torch's LR schedulers re-wrap opt.step through its __func__);
+    remove() puts back what was there. The wrapper holds this Offload weakly and, once it
+    is removed or gone, only steps (so a scheduler that wrapped it afterwards keeps working).
+    A closure (LBFGS calls it several times per step, changing the parameters between calls)
+    is wrapped too: each call first drops the stale device copies."""
+    had = "step" in opt.__dict__
+    prev = opt.__dict__.get("step")
+    inner = opt.step
+    ref = weakref.ref(off)
+
+    def fresh(closure: Any) -> Any:
+        def call() -> Any:
+            off = ref()
+            if off is not None and not off._closed:
+                refresh(off)
+            return closure()
+        return call
+
+    def step(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
+        off = ref()
+        if off is None or off._closed:
+            return inner(*args, **kwargs)
+        if args and callable(args[0]):
+            args = (fresh(args[0]),) + args[1:]
+        elif kwargs.get("closure") is not None:
+            kwargs["closure"] = fresh(kwargs["closure"])
+        try:
+            return inner(*args, **kwargs)
+        finally:  # also after a failed step: it may have updated some parameters
+            refresh(off)
+            off.optimizer_steps += 1
+
+    for attr in ("__doc__", "__name__", "__qualname__"):
+        if hasattr(inner, attr):
+            setattr(step, attr, getattr(inner, attr))
+    step.__wrapped__ = inner  # type: ignore[attr-defined]
+    if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
+        step._with_counter = True  # type: ignore[attr-defined]
+    bound = types.MethodType(step, opt)
+    opt.step = bound  # type: ignore[method-assign]
+    off._step_wrap = (opt, had, prev, bound)
+
+
+def unwrap_step(off: Any) -> None:
+    w, off._step_wrap = off._step_wrap, None
+    if w is None:
+        return
+    opt, had, prev, bound = w
+    if opt.__dict__.get("step") is bound:
+        if had:
+            opt.step = prev  # type: ignore[method-assign]
+        else:
+            del opt.step
+    # else something wrapped it since (an LR scheduler): left in place, ours only steps now
+
+
+def refresh(off: Any) -> None:
+    """Drop the device copy of every unit holding a parameter of the optimizer (spw_evict;
+    a read-only buffer's copy is dropped without a transfer): the next acquire uploads the
+    host copy the step updated."""
+    if off._depth or off._acquired:
+        raise StateError("spillway.torch: the optimizer stepped during a forward of the offloaded module; "
+                         "call opt.step() after backward")
+    units: Dict[int, _Unit] = {}
+    pu = off._param_unit
+    for group in off.optimizer.param_groups:
+        for p in group["params"]:
+            u = pu.get(id(p))
+            if u is not None:
+                units[u.index] = u
+    for u in units.values():
+        st = _lib_c.spw_evict(u.handle)
+        if st:
+            raise error_for(st)
+    off.step_evictions += len(units)
