@@ -82,8 +82,8 @@ def train(m: nn.Module, ref: nn.Module, make_opt: Callable[[nn.Module], torch.op
             n1 = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip)
             n2 = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=clip)
             assert torch.equal(n1, n2)
+        since_step = h2d()  # before the step: its end may already upload the new values (a plan prefetch)
         opt.step()
-        since_step = h2d()
         opt_ref.step()
         opt.zero_grad(set_to_none=set_to_none)
         opt_ref.zero_grad(set_to_none=set_to_none)
@@ -325,6 +325,57 @@ def check_refused(m: nn.Module, exc, match: str, **kw) -> None:
     assert_unchanged(m, snap)
     x = stack_batches(0)[0]
     assert torch.equal(m(x), ref(x))  # still usable, resident
+
+
+# ---- activations saved for backward, kept under the same budget ----
+
+def big_batches(step: int) -> List[torch.Tensor]:
+    """Batches whose activations (1 MiB a layer input, 16 MiB a forward) pass the 8 MiB budget."""
+    g = torch.Generator().manual_seed(200 + step)
+    return [torch.randn(512, 512, generator=g) for _ in range(4)]
+
+
+@pytest.mark.parametrize("policy,micro,clip", [("plan", 1, 0.0), ("lru", 1, 0.0), ("plan", 4, 1.0)])
+def test_activations_are_kept_in_the_budget(policy, micro, clip):
+    m = stack()
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9), big_batches, mse,
+                budget="8MiB", micro=micro, clip=clip, policy=policy)
+    h, st = off.stats()["offload"], off.stats()
+    assert h["activations_stashed"] >= STEPS * micro * 8  # each Linear's input, at least
+    assert h["activation_bytes"] >= STEPS * micro * 8 * (1 << 20)
+    assert st["bytes_d2h"]["total"] > 0  # they did not fit: written back to the host, read back in backward
+    assert st["held"]["peak"] <= 8 << 20  # weights and activations, under the one budget
+    assert "activations" in off.summary()
+    finish(off, m, ref, big_batches(9)[0])
+
+
+def test_activations_off_stay_pytorchs():
+    m = stack()
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05), big_batches, mse,
+                budget="8MiB", activations=False)
+    assert off.stats()["offload"]["activations_stashed"] == 0
+    finish(off, m, ref, big_batches(9)[0])
+
+
+def test_activations_without_an_optimizer():
+    """A frozen base with resident adapters: the step a forward opens ends at the next forward."""
+    torch.manual_seed(0)
+    base = stack().requires_grad_(False)
+    head = nn.Linear(512, 512)
+    ref_base, ref_head = copy.deepcopy(base), copy.deepcopy(head)
+    off = spt.offload(base, budget="8MiB", activations=True, **EMU)
+    for step in range(3):
+        xs = []
+        for b, h in ((base, head), (ref_base, ref_head)):
+            h.zero_grad()
+            x = big_batches(step)[0].requires_grad_()  # the base saves for backward only what x needs
+            h(b(x)).square().mean().backward()
+            xs.append(x.grad)
+        assert torch.equal(head.weight.grad, ref_head.weight.grad) and torch.equal(xs[0], xs[1]), step
+    assert off.stats()["offload"]["activations_stashed"] > 0
+    off.remove()
 
 
 def test_an_optimizer_holding_a_parameter_outside_the_model():

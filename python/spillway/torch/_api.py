@@ -12,7 +12,8 @@ from ._pipeline import offload_all
 
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
-            offload_trainable: Optional[bool] = None, optimizer: Any = None, **options: Any) -> Any:
+            offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
+            **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -50,6 +51,11 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     moves (InvalidArgument) when opt is not an Optimizer, holds a parameter that is not a
     trainable parameter of module, or module has none; with offload_trainable=False it is a
     ConfigError. One module only (not a list or a pipeline).
+    activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
+    in buffers of the offload's context, under its budget: on the device while they fit,
+    written back to pinned host memory when the room is needed, uploaded again when backward
+    reads them. Default: on with optimizer=, off otherwise. Hooks pushed before the forward
+    (torch.utils.checkpoint, save_on_cpu) keep the tensors they are given.
     trace: write a Chrome trace of copies and evictions to this file.
     options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
     unknown one is a ConfigError. While spillway.torch.use_allocator is active, the weights use
@@ -63,5 +69,6 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
         return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
                            offload_trainable=offload_trainable, **options)
     block_list = None if blocks is None else list(blocks)
+    stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
-                          optimizer=optimizer)
+                          optimizer=optimizer, activations=bool(stash))

@@ -109,6 +109,7 @@ _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 # unit every pass). A set costs empty tensors; a re-point costs a hook a storage and a Tensor.set_
 # per tensor (bench/RESULTS.md).
 _DEV_SETS = 32
+_STASH_MIN = 1 << 20  # activations below this stay PyTorch's: a buffer each would cost more than it saves
 # Host time per acquire is also counted in buckets of 1024 ns (the last one: that and more), so
 # that hook_stats() can give the median of the calls, which waits for room do not move.
 _HIST_BUCKETS = 4096
@@ -143,7 +144,8 @@ class Offload:
     @classmethod
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
-               context: Optional[Context] = None, optimizer: Any = None) -> "Offload":
+               context: Optional[Context] = None, optimizer: Any = None,
+               activations: bool = False) -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         if not isinstance(module, nn.Module):
@@ -275,6 +277,12 @@ class Offload:
         # into the packs) are the master copy the optimizer updates on the host; its step is
         # wrapped (_train.wrap_step) so that it ends by dropping the device copies it made stale.
         self.optimizer = optimizer
+        # Activations saved for backward of at least this many bytes go to buffers of the
+        # context (_saved.stash); None: they stay PyTorch's.
+        self._stash_min: Optional[int] = _STASH_MIN if activations else None
+        self._open_step = False  # a step left open by a forward (see _top_forward)
+        self.activations_stashed = 0
+        self.activation_bytes = 0
         self._train = optimizer is not None
         self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
         self._step_wrap: Optional[Tuple[Any, bool, Any, Any]] = None  # (opt, had step attribute, it, ours)
@@ -823,9 +831,19 @@ class Offload:
             return inner(*args, **kwargs)
         self._depth = 1
         auto_step = not self._explicit_steps
+        # With activations kept in the budget a step spans forward and backward (the plan must
+        # see the reads of what the forward wrote): it is left open, and ends at the optimizer's
+        # step (_train.wrap_step) or, without an optimizer, at the next forward.
+        spans = auto_step and self._stash_min is not None
         saved = None
         try:
-            if auto_step:
+            if spans:
+                if self._open_step and self.optimizer is None:
+                    self._end_open_step()
+                if not self._open_step:
+                    self._step_begin()
+                    self._open_step = True
+            elif auto_step:
                 self._step_begin()
             if torch.is_grad_enabled():
                 saved = saving(self)
@@ -845,9 +863,15 @@ class Offload:
             finally:
                 if saved is not None:
                     saved.__exit__(None, None, None)
-                if auto_step:
+                if auto_step and not spans:
                     self._step_end()
                 self._depth = 0
+
+    def _end_open_step(self) -> None:
+        """End the step a forward left open (activations kept in the budget)."""
+        if self._open_step:
+            self._open_step = False
+            self._step_end()
 
     # ------------------------------------------------------------------ steps
     def _step_begin(self) -> None:
@@ -911,6 +935,11 @@ class Offload:
 
     def _undo(self) -> None:
         """Restore whatever was moved so far (also the rollback of a failed offload())."""
+        if getattr(self, "_open_step", False):
+            self._open_step = False
+            st = _lib_c.spw_step_end(self._ctx_handle)
+            if st:
+                error_for(st)  # the context goes anyway; nothing to keep
         self._closed = True
         _ACTIVE.pop(self.module, None)
         if getattr(self, "_step_wrap", None) is not None:

@@ -29,7 +29,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     median host time of one acquire, from 1-us buckets: what a hook costs, where the mean
     also counts the acquires that waited for room), acquires (spw_acquire calls by hooks and
     backward), view_hits/view_builds (the unit's device tensors found over its address / made
-    or re-pointed there: an address it had not been at, or not among its latest sets), steps, saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
+    or re-pointed there: an address it had not been at, or not among its latest sets), steps,
+    saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
+    activations_stashed/activation_bytes (activations kept in buffers of the context),
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
@@ -45,6 +47,8 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "saved_reacquires": off.saved_reacquires,
         "buffer_writebacks": off.buffer_writebacks,
         "outputs_cloned": off.outputs_cloned,
+        "activations_stashed": off.activations_stashed,
+        "activation_bytes": off.activation_bytes,
         "optimizer_steps": off.optimizer_steps,
         "step_evictions": off.step_evictions,
     }
@@ -72,7 +76,8 @@ def _partition_text(off: Any, shown: int = 8) -> str:
 def _budget_text(off: Any) -> str:
     if off.budget_source == "shared":
         return "use_allocator's budget, shared with PyTorch's tensors"
-    what = "device memory for offloaded weights only"
+    what = ("device memory for offloaded weights and the activations saved for backward"
+            if off._stash_min is not None else "device memory for offloaded weights only")
     if off.budget_source == "default":
         return (f"{what}: no budget given, so the device's free memory less {format_size(off.reserve)} "
                 "kept for activations")
@@ -102,6 +107,9 @@ def summary(off: Any) -> str:
         lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
                      f"{type(off.optimizer).__name__} (gradients and its state in host memory), "
                      f"{_plural(off.optimizer_steps, 'step')}, {off.step_evictions} stale device copies dropped")
+    if off._stash_min is not None:
+        lines.append(f"  activations       {off.activations_stashed} saved for backward kept in the budget, "
+                     f"{format_size(off.activation_bytes)} in all (tensors of {format_size(off._stash_min)} or more)")
     if off._trainable:
         nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
         shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")

@@ -72,6 +72,27 @@ class _Saved:
         self.stride = tuple(t.stride())
 
 
+class _Stashed:
+    """An activation saved for backward, kept in a spillway buffer of the Offload's context:
+    on the device while the budget holds it, written back to pinned host memory when the
+    engine needs the room (a dirty buffer), uploaded again when backward reads it. The buffer
+    lives as long as this record (autograd drops it with the graph; backward may read it more
+    than once with retain_graph)."""
+
+    __slots__ = ("buf", "dtype", "size", "__weakref__")
+
+    def __init__(self, buf: Any, t: torch.Tensor) -> None:
+        self.buf = buf
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+
+    def __del__(self) -> None:
+        try:
+            self.buf.close()
+        except Exception:  # the context went first (it closes its buffers), or the interpreter is ending
+            pass
+
+
 class _Outer:
     """What an outer pair of hooks made of a saved tensor, with the unpack that undoes it."""
 
@@ -107,10 +128,15 @@ class _Hooks:
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        rec = record(self.off, t)
+        off = self.off
+        rec = record(off, t)
         outer = self.outer
         if rec is None:
-            return t if outer is None else _Outer(outer[1], outer[0](t))
+            if outer is not None:
+                return _Outer(outer[1], outer[0](t))
+            if off._stash_min is not None and _stashable(off, t):
+                return stash(off, t)
+            return t
         if self.foreign:
             return _Outer(outer[1], outer[0](t.clone()))  # type: ignore[index]
         return rec
@@ -118,6 +144,8 @@ class _Hooks:
     def unpack(self, s: Any) -> torch.Tensor:
         if type(s) is _Saved:
             return rebuild(self.off, s)
+        if type(s) is _Stashed:
+            return unstash(self.off, s)
         if type(s) is _Outer:
             return s.unpack(s.packed)
         return s
@@ -180,4 +208,55 @@ def rebuild(off: "Offload", s: _Saved) -> torch.Tensor:
     if st:
         raise error_for(st)
     off.saved_reacquires += 1
+    return out
+
+
+def _stashable(off: "Offload", t: torch.Tensor) -> bool:
+    """An activation worth a buffer: on the offload's device, at least off._stash_min bytes, not
+    a parameter or another leaf that requires grad (the caller's own tensors)."""
+    return (t.device.type == off.device.type and t.numel() * t.element_size() >= off._stash_min
+            and not (t.is_leaf and t.requires_grad) and not isinstance(t, torch.nn.Parameter))
+
+
+def _over(ptr: int, nbytes: int, s: Any, device: torch.device) -> torch.Tensor:
+    """A contiguous tensor of record s's dtype and sizes over nbytes of device memory at ptr."""
+    out = torch.empty(0, dtype=s.dtype, device=device)
+    return out.set_(_storage_at(ptr, nbytes, device), 0, s.size)
+
+
+def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
+    """t copied into a new buffer of off's context (device to device, in stream order): the
+    engine then keeps it, or writes it back to the host, under the one budget."""
+    nbytes = t.numel() * t.element_size()
+    buf = off.context.buffer(nbytes)
+    rec = _Stashed(buf, t)
+    stream = off._stream()
+    ptr = buf.acquire("w", stream)
+    try:
+        if off._emu:
+            off.context.synchronize()  # CPU torch writes at once: the room must be free now
+        with torch.no_grad():
+            _over(ptr, nbytes, rec, off.device).copy_(t)
+    finally:
+        buf.release(stream)
+    off.activations_stashed += 1
+    off.activation_bytes += nbytes
+    return rec
+
+
+def unstash(off: "Offload", s: _Stashed) -> torch.Tensor:
+    """The activation of record s, copied out of its buffer (uploaded again if it was written
+    back)."""
+    if off._closed:
+        raise StateError("spillway.torch: backward needs activations kept by an Offload that was removed; "
+                         "run backward before remove()")
+    stream = off._stream()
+    nbytes = s.buf.size
+    ptr = s.buf.acquire("r", stream)
+    try:
+        if off._emu:
+            off.context.synchronize()
+        out = _over(ptr, nbytes, s, off.device).clone()
+    finally:
+        s.buf.release(stream)
     return out

@@ -131,6 +131,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off)
             off.optimizer_steps += 1
+            off._end_open_step()  # forward, backward and this step were one plan step
 
     for attr in ("__doc__", "__name__", "__qualname__"):
         if hasattr(inner, attr):
