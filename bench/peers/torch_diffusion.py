@@ -186,7 +186,9 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
                    hook_us_per_acquire=st["offload"]["hook_us_median"],
                    hook_us_mean=handle.hook_ns / max(handle.acquires, 1) / 1e3, held_peak=st["held"]["peak"],
                    peak_device=res["peak_reserved"] + st["held"]["peak"], plan_hits=st["plan_hits"]["total"],
-                   summary=handle.summary().splitlines()[:7])
+                   summary=handle.summary().splitlines()[:7],
+                   policy=next((ln.strip() for ln in handle.context.summary().splitlines()
+                                if ln.strip().startswith("policy ")), ""))
     return res
 
 
@@ -256,6 +258,8 @@ def main() -> None:
                       f"{r['first20_ms']:9.0f} {r['first20_over_steady']:7.2f} {fmt(mv and mv / GiB, '%8.2f G'):>10} "
                       f"{fmt(r.get('hook_us_per_acquire'), '%6.1f'):>6} {fmt(r.get('units'), '%5d'):>5} "
                       f"{r['peak_device'] / GiB:6.2f} G {r['equal']}", flush=True)
+                if r.get("policy"):
+                    print(f"{'':14} {r['policy']}", flush=True)  # the pipeline plan's timing chose
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
