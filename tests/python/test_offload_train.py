@@ -327,6 +327,31 @@ def check_refused(m: nn.Module, exc, match: str, **kw) -> None:
     assert torch.equal(m(x), ref(x))  # still usable, resident
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_by_spillways_c_step(amsgrad):
+    """host_update="spillway": AdamW's step runs in the C kernels on opt's own state; equal to
+    torch's single-tensor AdamW (the resident copy's) step by step, and the state carries on."""
+    m = stack(3)
+    ref = copy.deepcopy(m)
+    make = lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, amsgrad=amsgrad)  # noqa: E731
+    off = train(m, ref, make, stack_batches, mse, host_update="spillway")
+    assert off.c_steps == STEPS
+    st = off.optimizer.state_dict()["state"]
+    assert all(float(v["step"]) == STEPS and "exp_avg_sq" in v for v in st.values())
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_host_update_falls_back_to_the_optimizers_own_step():
+    m = stack(4)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05), stack_batches, mse,
+                host_update="spillway")  # not AdamW: torch's step
+    assert off.c_steps == 0
+    finish(off, m, ref, stack_batches(9)[0])
+    with pytest.raises(spillway.ConfigError, match="host_update"):
+        spt.offload(stack(), budget="4MiB", optimizer=None, host_update="c", **EMU)
+
+
 # ---- activations saved for backward, kept under the same budget ----
 
 def big_batches(step: int) -> List[torch.Tensor]:

@@ -5,7 +5,7 @@ from typing import Any, Iterable, Optional, Union
 
 from torch import nn
 
-from ..errors import InvalidArgument
+from ..errors import ConfigError, InvalidArgument
 from ._offload import Offload
 from ._pipeline import offload_all
 
@@ -13,7 +13,7 @@ from ._pipeline import offload_all
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
-            **options: Any) -> Any:
+            host_update: str = "torch", **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -51,6 +51,10 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     moves (InvalidArgument) when opt is not an Optimizer, holds a parameter that is not a
     trainable parameter of module, or module has none; with offload_trainable=False it is a
     ConfigError. One module only (not a list or a pipeline).
+    host_update: "torch" (opt's own step) or "spillway": a torch.optim.AdamW's step runs in
+    spillway's C AdamW (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own state,
+    where every parameter is a contiguous float32 CPU tensor and the group asks for nothing the
+    C step lacks (foreach, fused, capturable, a closure); otherwise opt's own step runs.
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward
@@ -69,6 +73,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
         return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
                            offload_trainable=offload_trainable, **options)
     block_list = None if blocks is None else list(blocks)
+    if host_update not in ("torch", "spillway"):
+        raise ConfigError(f"offload: host_update must be 'torch' or 'spillway', got {host_update!r}")
     stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
-                          optimizer=optimizer, activations=bool(stash))
+                          optimizer=optimizer, activations=bool(stash), host_update=host_update)

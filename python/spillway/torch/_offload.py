@@ -145,7 +145,7 @@ class Offload:
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
-               activations: bool = False) -> "Offload":
+               activations: bool = False, host_update: str = "torch") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         if not isinstance(module, nn.Module):
@@ -281,6 +281,8 @@ class Offload:
         # context (_saved.stash); None: they stay PyTorch's.
         self._stash_min: Optional[int] = _STASH_MIN if activations else None
         self._open_step = False  # a step left open by a forward (see _top_forward)
+        self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
+        self.c_steps = 0
         self.activations_stashed = 0
         self.activation_bytes = 0
         self._train = optimizer is not None

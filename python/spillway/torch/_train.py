@@ -127,6 +127,9 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         elif kwargs.get("closure") is not None:
             kwargs["closure"] = fresh(kwargs["closure"])
         try:
+            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and c_adamw_step(opt):
+                off.c_steps += 1
+                return None
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off)
@@ -176,3 +179,56 @@ def refresh(off: Any) -> None:
         if st:
             raise error_for(st)
     off.step_evictions += len(units)
+
+
+def _c_eligible(opt: torch.optim.Optimizer) -> bool:
+    """Whether spillway's C AdamW can run opt's step as torch.optim.AdamW's single-tensor path
+    would: exactly AdamW, plain float lr, no foreach/fused/capturable/differentiable, every
+    parameter with a gradient a contiguous float32 CPU tensor with a dense float32 gradient."""
+    if type(opt) is not torch.optim.AdamW:
+        return False
+    for g in opt.param_groups:
+        if g.get("foreach") or g.get("fused") or g.get("capturable") or g.get("differentiable"):
+            return False
+        if not isinstance(g["lr"], float):
+            return False
+        for p in g["params"]:
+            q = p.grad
+            if q is None:
+                continue
+            if (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or q.is_sparse
+                    or q.dtype != torch.float32 or not q.is_contiguous()):
+                return False
+    return True
+
+
+def c_adamw_step(opt: torch.optim.Optimizer) -> bool:
+    """opt.step() of a torch.optim.AdamW by spillway's C kernels (spillway.optim.adamw_step, all
+    cores, vectorized), on opt's own state (state["step"], "exp_avg", "exp_avg_sq",
+    "max_exp_avg_sq" initialized as torch does, so state_dict() and a later torch step carry
+    on). False, nothing done, when _c_eligible says no: the caller runs torch's step."""
+    if not _c_eligible(opt):
+        return False
+    from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
+    with torch.no_grad():
+        for g in opt.param_groups:
+            by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = opt.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if g["amsgrad"]:
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
+                for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
+                    lst.append(t)
+            for step, (ps, gs, m1, m2, mx) in by_step.items():
+                spw_optim.adamw_step(ps, gs, m1, m2, step, lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                     weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
+                                     maximize=g.get("maximize", False))
+    return True
