@@ -73,19 +73,6 @@ static void exact_victims(void **state) {
     spw_ctx_destroy(ctx);
 }
 
-typedef struct kcheck {
-    const void *d;
-    uint8_t want;
-    atomic_int *bad;
-} kcheck;
-
-static void check_cb(void *a) {
-    kcheck *k = a;
-    const uint8_t *p = k->d;
-    for (size_t i = 0; i < SZ; i += 4093)
-        if (p[i] != k->want) atomic_store(k->bad, 1);
-}
-
 /* A dirty buffer whose next access overwrites it is dropped, not written back; the reads in
  * between still see the data (checked on the device). A host read is part of the plan: with
  * one in the step, the data is never taken for dead. */
@@ -108,8 +95,8 @@ static void dead_data_not_written_back(void **state) {
             assert_ok(spw_release(b[0], NULL));
             for (int i = 1; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
             assert_ok(spw_acquire(b[0], NULL, SPW_ACCESS_READ, &d)); /* A read after 3 others */
-            kcheck kc = {d, (uint8_t)(0x10 + s), &bad};
-            assert_ok(spw_launch_host(ctx, NULL, check_cb, &kc));
+            test_kcheck kc = {d, SZ, (uint8_t)(0x10 + s), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc));
             assert_ok(spw_release(b[0], NULL));
             for (int i = 1; i < 4; i++) touch(ctx, b[i], SPW_ACCESS_READ);
             if (host_reads) {
@@ -604,21 +591,6 @@ static void summary_line(void **state) {
     spw_ctx_destroy(ctx);
 }
 
-typedef struct kcheck_n {
-    const void *d;
-    size_t n;
-    uint8_t want;
-    atomic_int *bad;
-} kcheck_n;
-
-static void check_n_cb(void *a) {
-    kcheck_n *k = a;
-    const uint8_t *p = k->d;
-    for (size_t i = 0; i < k->n; i += 4093)
-        if (p[i] != k->want) atomic_store(k->bad, 1);
-    if (p[k->n - 1] != k->want) atomic_store(k->bad, 1);
-}
-
 /* Buffers of mixed sizes cycled at a budget that holds about half of them: once the plan is
  * learned no upload waits on the host for a trim; its room is one run of adjacent blocks given
  * up (window_evictions), and every byte read is right. */
@@ -644,8 +616,8 @@ static void mixed_sizes_need_no_trim(void **state) {
         for (int i = 0; i < NB; i++) {
             void *d;
             assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            kcheck_n kc = {d, mib[i] * MiB + 4096 * (size_t)i, (uint8_t)(0x30 + i), &bad};
-            assert_ok(spw_launch_host(ctx, NULL, check_n_cb, &kc));
+            test_kcheck kc = {d, mib[i] * MiB + 4096 * (size_t)i, (uint8_t)(0x30 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc));
             assert_ok(spw_release(b[i], NULL));
             assert_ok(spw_stream_synchronize(ctx, NULL));
         }
