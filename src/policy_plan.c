@@ -437,6 +437,22 @@ static void check_incoming(spw_policy *p, spw_buf *incoming) {
 /* Buffers a victim choice leaves out: none, the target set (a rebase), the fixed set (STATIC). */
 enum { SKIP_NONE, SKIP_TARGET, SKIP_FIXED };
 
+/* b may be a victim at all: not incoming, evictable, and clean while prefetching between steps. */
+static bool candidate(const spw_policy *p, spw_buf *b, const spw_buf *incoming) {
+    return b != incoming && spw__pol_evictable(b) && !(p->ahead && spw__pol_dirty(b));
+}
+
+/* Free to evict: nothing to write back, or the next access (at distance d, mode) overwrites it. */
+static bool free_to_evict(spw_buf *b, uint64_t d, spw_access mode) {
+    return !spw__pol_dirty(b) || (d != FAR && mode == SPW_ACCESS_WRITE);
+}
+
+/* The distance below which a prefetch for a buffer used din ahead may not take a victim (see
+ * plan_choose_victim): 0 where an early slot is free or a split is in force. */
+static uint64_t prefetch_floor(const spw_policy *p, uint64_t din, bool split) {
+    return p->pf_early || split ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
+}
+
 /* The evictable buffer used farthest ahead (Belady), leaving out `skip`; with `prefer_free`,
  * among nearly as distant ones, one that costs no write-back. *dist: its distance. */
 static spw_buf *farthest(spw_policy *p, spw_buf *incoming, int skip, bool prefer_free, uint64_t *dist) {
@@ -444,12 +460,11 @@ static spw_buf *farthest(spw_policy *p, spw_buf *incoming, int skip, bool prefer
     uint64_t best_d = 0, free_d = 0;
     for (spw_buf *b = spw__pol_first(p->ctx); b; b = spw__pol_next(b)) {
         kbuf *k = kb_of(b);
-        if (b == incoming || !spw__pol_evictable(b) || (p->ahead && spw__pol_dirty(b))) continue;
+        if (!candidate(p, b, incoming)) continue;
         if (k && ((skip == SKIP_TARGET && k->target) || (skip == SKIP_FIXED && k->fixed))) continue;
         spw_access mode = SPW_ACCESS_READ;
         uint64_t d = distance(p, b, &mode);
-        /* free to evict: nothing to write back, or the next access overwrites it anyway */
-        bool free_evict = !spw__pol_dirty(b) || (d != FAR && mode == SPW_ACCESS_WRITE);
+        bool free_evict = free_to_evict(b, d, mode);
         if (!best || d > best_d) {
             best = b;
             best_d = d;
@@ -487,9 +502,7 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
          * something that a buffer used before then will outlast (that one is the better
          * victim, once it has been used: prefetching now would only displace it) */
         uint64_t din = incoming ? distance(p, incoming, NULL) : FAR;
-        bool no_floor = p->pf_early || split;
-        uint64_t floor = no_floor ? 0 : p->pf_own ? p->pf_floor : window_floor(p, din);
-        if (best_d <= din || best_d < floor) return NULL;
+        if (best_d <= din || best_d < prefetch_floor(p, din, split)) return NULL;
     }
     return best;
 }
@@ -500,24 +513,23 @@ static uint64_t plan_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, i
     if (p->taking_up || (predicting(p) && fixed_pipeline(p->early_max))) return 0;
     if (!predicting(p) && !p->rebasing)
         return spw__policy_lru.rank_victim(p->lru, b, incoming, for_prefetch);
-    if (b == incoming || !spw__pol_evictable(b) || (p->ahead && spw__pol_dirty(b))) return 0;
+    if (!candidate(p, b, incoming)) return 0;
     kbuf *k = kb_of(b);
     spw_access mode = SPW_ACCESS_READ;
     uint64_t d = distance(p, b, &mode);
     uint64_t r = d >= FAR - 1 ? FAR : d + 1;
     /* as farthest(): a victim that costs a write-back is worth one nearly as distant that does not */
-    if (spw__pol_dirty(b) && !(d != FAR && mode == SPW_ACCESS_WRITE)) r = SPW_MAX(r - r / FREE_VICTIM_SLACK - 1, 2);
+    if (!free_to_evict(b, d, mode)) r = SPW_MAX(r - r / FREE_VICTIM_SLACK - 1, 2);
     if (p->rebasing) return k && k->target ? 0 : r;
-    if (for_prefetch && !p->pf_own && (p->early_max == PF_OFF || p->early_max == PF_SLOT)) return 0;
+    if (for_prefetch && !p->pf_own && p->early_max == PF_OFF) return 0; /* as choose_victim (SLOT left above) */
     if (for_prefetch) {
         /* choose_victim's test, its figures computed once for every block of a window search */
-        bool no_floor = p->pf_early;
         if (!p->rk_set || p->rk_in != incoming || p->rk_cursor != p->cursor || p->rk_pf_own != p->pf_own ||
-            p->rk_pf_floor != p->pf_floor || p->rk_no_floor != no_floor) {
+            p->rk_pf_floor != p->pf_floor || p->rk_pf_early != p->pf_early) {
             p->rk_din = incoming ? distance(p, incoming, NULL) : FAR;
-            p->rk_floor = no_floor ? 0 : p->pf_own ? p->pf_floor : window_floor(p, p->rk_din);
+            p->rk_floor = prefetch_floor(p, p->rk_din, false);
             p->rk_in = incoming, p->rk_cursor = p->cursor, p->rk_pf_own = p->pf_own, p->rk_pf_floor = p->pf_floor;
-            p->rk_no_floor = no_floor;
+            p->rk_pf_early = p->pf_early;
             p->rk_set = true;
         }
         if (d <= p->rk_din || d < p->rk_floor) return 0;

@@ -139,7 +139,7 @@ struct spw_policy {
     const spw_buf *rk_in;
     size_t rk_cursor;
     uint64_t rk_pf_floor, rk_din, rk_floor;
-    bool rk_pf_own, rk_no_floor, rk_set;
+    bool rk_pf_own, rk_pf_early, rk_set;
 };
 
 static inline kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
