@@ -498,36 +498,37 @@ class Offload:
         u.dev_at, u.dev_set = ptr, dset
         return dset
 
-    def _acquire_raw(self, u: _Unit, stream: Optional[int]) -> int:
-        """spw_acquire READ on stream, after the pending release if any (one call); on emu also
-        wait for the upload (CPU torch reads at once)."""
+    def _acquire_raw(self, u: Any, stream: Optional[int], mode: int = _READ) -> int:
+        """spw_acquire of u's buffer (a unit, or anything with the handle of one of the context's
+        buffers) on stream, after the pending release if any (one call); on emu also wait for
+        the upload (CPU torch reads at once)."""
         p = self._pend
         if p is None:
-            st = self._c_acquire(u.handle, stream, _READ, self._devptr_ref)
+            st = self._c_acquire(u.handle, stream, mode, self._devptr_ref)
         else:
             self._pend = None  # a failed release acquires nothing: its error is raised below
-            st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, _READ, self._devptr_ref)
+            st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, mode, self._devptr_ref)
         if st:
-            self._acquire_failed(u, stream, st)
+            self._acquire_failed(u, stream, st, mode)
         if self._c_sync is not None:
             self._emu_wait(u)
         self.acquires += 1
         return self._devptr.value
 
-    def _emu_wait(self, u: _Unit) -> None:
+    def _emu_wait(self, u: Any) -> None:
         """emu: wait for u's upload after its acquire (CPU torch reads device memory at once)."""
         st = self._c_sync(self._ctx_handle, None)
         if st:
             self._c_release(u.handle, None)
             raise error_for(st)
 
-    def _acquire_failed(self, u: _Unit, stream: Optional[int], st: int) -> None:
+    def _acquire_failed(self, u: Any, stream: Optional[int], st: int, mode: int = _READ) -> None:
         """After spw_acquire returned st: out of device memory while PyTorch's allocator (under
         use_allocator) holds cached blocks of the same context is retried once after releasing
         them; returns when the retry succeeded, else raises (spillway.torch.OutOfMemoryError for
         out of memory)."""
         if st == _lib.Status.ERR_OUT_OF_MEMORY and _alloc.release_torch_cache(self.context):
-            st = self._c_acquire(u.handle, stream, _READ, self._devptr_ref)
+            st = self._c_acquire(u.handle, stream, mode, self._devptr_ref)
             if not st:
                 return
         err = error_for(st)

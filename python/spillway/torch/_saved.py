@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
+from .. import _lib
 from ..errors import StateError, error_for
 from ._units import _Unit, _storage_at
 
@@ -191,22 +192,31 @@ def record(off: "Offload", t: torch.Tensor) -> Optional[_Saved]:
     return None
 
 
+def _copy_out(off: "Offload", holder: Any, nbytes: int, dtype: torch.dtype, size: Tuple[int, ...],
+              byte_offset: int = 0, stride: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+    """The tensor at byte_offset of holder's buffer (a unit, or a stashed activation's buffer:
+    nbytes long), copied out (device to device, stream-ordered) while the buffer is acquired on
+    the current stream. Contiguous sizes where no stride is given."""
+    stream = off._stream()
+    ptr = off._acquire_raw(holder, stream)
+    try:
+        out = torch.empty(0, dtype=dtype, device=off.device)
+        storage = _storage_at(ptr, nbytes, off.device)
+        at = byte_offset // out.element_size()
+        out = (out.set_(storage, at, size) if stride is None else out.set_(storage, at, size, stride)).clone()
+    finally:
+        st = off._c_release(holder.handle, stream)
+    if st:
+        raise error_for(st)
+    return out
+
+
 def rebuild(off: "Offload", s: _Saved) -> torch.Tensor:
     """The tensor of record s, copied out of its unit re-acquired for the copy."""
     if off._closed:
         raise StateError("spillway.torch: backward needs offloaded weights, but the Offload was removed; "
                          "run backward before remove()")
-    u = s.unit
-    stream = off._stream()
-    ptr = off._acquire_raw(u, stream)
-    try:
-        storage = _storage_at(ptr, u.nbytes, off.device)
-        out = torch.empty(0, dtype=s.dtype, device=off.device)
-        out = out.set_(storage, s.offset // out.element_size(), s.size, s.stride).clone()
-    finally:
-        st = off._c_release(u.handle, stream)
-    if st:
-        raise error_for(st)
+    out = _copy_out(off, s.unit, s.unit.nbytes, s.dtype, s.size, s.offset, s.stride)
     off.saved_reacquires += 1
     return out
 
@@ -218,27 +228,21 @@ def _stashable(off: "Offload", t: torch.Tensor) -> bool:
             and not (t.is_leaf and t.requires_grad) and not isinstance(t, torch.nn.Parameter))
 
 
-def _over(ptr: int, nbytes: int, s: Any, device: torch.device) -> torch.Tensor:
-    """A contiguous tensor of record s's dtype and sizes over nbytes of device memory at ptr."""
-    out = torch.empty(0, dtype=s.dtype, device=device)
-    return out.set_(_storage_at(ptr, nbytes, device), 0, s.size)
-
-
 def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
     """t copied into a new buffer of off's context (device to device, in stream order): the
     engine then keeps it, or writes it back to the host, under the one budget."""
     nbytes = t.numel() * t.element_size()
-    buf = off.context.buffer(nbytes)
-    rec = _Stashed(buf, t)
+    rec = _Stashed(off.context.buffer(nbytes), t)
     stream = off._stream()
-    ptr = buf.acquire("w", stream)
+    ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
     try:
-        if off._emu:
-            off.context.synchronize()  # CPU torch writes at once: the room must be free now
+        dev = torch.empty(0, dtype=t.dtype, device=off.device).set_(_storage_at(ptr, nbytes, off.device), 0, rec.size)
         with torch.no_grad():
-            _over(ptr, nbytes, rec, off.device).copy_(t)
+            dev.copy_(t)
     finally:
-        buf.release(stream)
+        st = off._c_release(rec.buf.handle, stream)
+    if st:
+        raise error_for(st)
     off.activations_stashed += 1
     off.activation_bytes += nbytes
     return rec
@@ -250,13 +254,4 @@ def unstash(off: "Offload", s: _Stashed) -> torch.Tensor:
     if off._closed:
         raise StateError("spillway.torch: backward needs activations kept by an Offload that was removed; "
                          "run backward before remove()")
-    stream = off._stream()
-    nbytes = s.buf.size
-    ptr = s.buf.acquire("r", stream)
-    try:
-        if off._emu:
-            off.context.synchronize()
-        out = _over(ptr, nbytes, s, off.device).clone()
-    finally:
-        s.buf.release(stream)
-    return out
+    return _copy_out(off, s.buf, s.buf.size, s.dtype, s.size)
