@@ -939,10 +939,10 @@ class Offload:
     def _undo(self) -> None:
         """Restore whatever was moved so far (also the rollback of a failed offload())."""
         if getattr(self, "_open_step", False):
-            self._open_step = False
-            st = _lib_c.spw_step_end(self._ctx_handle)
-            if st:
-                error_for(st)  # the context goes anyway; nothing to keep
+            try:
+                self._end_open_step()
+            except _errors.Error:
+                pass  # the context goes anyway; nothing to keep
         self._closed = True
         _ACTIVE.pop(self.module, None)
         if getattr(self, "_step_wrap", None) is not None:
