@@ -3,7 +3,7 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [pytest-alloc] [torchalloc] [ddp]   (default: all but diffusion, pipeline, smallcard)
+#                     [train] [pytest-alloc] [torchalloc] [ddp]   (default: all but diffusion, pipeline, smallcard, train)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -147,6 +147,10 @@ fi
 if has smallcard; then
   log "bench/peers/torch_smallcard.py"
   pyrun torch_smallcard 580 bench/peers/torch_smallcard.py ${SMALLCARD_ARGS:-}
+fi
+if has train; then
+  log "bench/peers/torch_train.py"
+  pyrun torch_train ${TRAIN_SECS:-580} bench/peers/torch_train.py ${TRAIN_ARGS:-}
 fi
 if has pytest-alloc; then
   # spillway.torch.use_allocator against the default allocator, both modes: four processes at

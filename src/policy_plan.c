@@ -37,8 +37,18 @@
 
 _Thread_local int spw__plan_hash_oom;
 
-/* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC, PF_SLOT). */
-static const int EARLY_TRIALS[N_TRIALS] = {PF_OFF, 0, PF_STATIC, PF_SLOT};
+/* Pipelines tried by prefetch_early=auto, in order (see PF_OFF, PF_STATIC, PF_SLOT). The splits
+ * go first: they place their room from the start (a fixed set, the rest in one piece), which the
+ * layout left by the others (runs of victims anywhere) would spoil, so that they would time
+ * trims rather than themselves; the others take any layout. */
+static const int EARLY_TRIALS[N_TRIALS] = {PF_STATIC, PF_SLOT, PF_OFF, 0};
+
+/* The trial index of pipeline mode. */
+static int trial_of(int mode) {
+    for (int i = 0; i < N_TRIALS; i++)
+        if (EARLY_TRIALS[i] == mode) return i;
+    return 0;
+}
 
 /* Pipelines with a fixed set. */
 static bool fixed_pipeline(int mode) { return mode == PF_STATIC || mode == PF_SLOT; }
@@ -510,7 +520,7 @@ static spw_buf *plan_choose_victim(spw_policy *p, size_t need, spw_buf *incoming
 static uint64_t plan_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, int for_prefetch) {
     /* The splits place their room themselves (a fixed set, the rest in one piece, an upload
      * beside the buffer it replaces): a run of other victims would break what they time. */
-    if (p->taking_up || (predicting(p) && fixed_pipeline(p->early_max))) return 0;
+    if (p->taking_up || fixed_pipeline(p->early_max)) return 0;
     if (!predicting(p) && !p->rebasing)
         return spw__policy_lru.rank_victim(p->lru, b, incoming, for_prefetch);
     if (!candidate(p, b, incoming)) return 0;
@@ -653,8 +663,8 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
         double per_step = 1e6 * (TRIAL_STEPS - 1);
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
-                 (double)p->trial_ns[0] / per_step, (double)p->trial_ns[1] / per_step,
-                 (double)p->trial_ns[2] / per_step, (double)p->trial_ns[3] / per_step,
+                 (double)p->trial_ns[trial_of(PF_OFF)] / per_step, (double)p->trial_ns[trial_of(0)] / per_step,
+                 (double)p->trial_ns[trial_of(PF_STATIC)] / per_step, (double)p->trial_ns[trial_of(PF_SLOT)] / per_step,
                  p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
         if (p->retunes) {
             size_t used = strlen(b);

@@ -240,6 +240,9 @@ static spw_status evict_window(spw_ctx *ctx, spw_arena *a, size_t need, spw_stre
     spw_buf *cv;
     if (!e->pops->rank_victim || !(cv = e->pops->choose_victim(e->pol, need, incoming, for_prefetch)))
         return SPW_ERR_OUT_OF_MEMORY;
+    /* A policy that ranks not even its own victim places its room itself (plan's splits: the
+     * upload goes where the buffer it replaces was): no run, the plain path below. */
+    if (!e->pops->rank_victim(e->pol, cv, incoming, for_prefetch)) return SPW_ERR_OUT_OF_MEMORY;
     void *v[WINDOW_VICTIMS];
     window_ask w = {e, incoming, cv, for_prefetch};
     size_t n = spw__arena_window(a, need, s, rank_owner, &w, v, WINDOW_VICTIMS);

@@ -41,8 +41,8 @@ def _deterministic():
 
 def batches(step: int, micro: int):
     g = torch.Generator().manual_seed(1000 + step)
-    return [(torch.randint(0, 1024, (8, 128), generator=g).to(DEV),
-             torch.randint(0, 1024, (8, 128), generator=g).to(DEV)) for _ in range(micro)]
+    return [(torch.randint(0, 1024, (16, 64), generator=g).to(DEV),
+             torch.randint(0, 1024, (16, 64), generator=g).to(DEV)) for _ in range(micro)]
 
 
 def loss_of(model: nn.Module, batch, autocast: bool) -> torch.Tensor:
