@@ -263,11 +263,14 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
                                  int *nw) {
     if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
     size_t need = SPW_ALIGN_UP(bytes, 512);
-    /* An upload that would need a trim takes its room in one piece instead, where it can. */
+    /* A block on the H2D stream (an upload, or one for another stream: make_resident) that would
+     * need a trim takes its room in one piece instead, where it can. */
     struct spw_engine *e = ctx->engine;
     if (may_evict && !tried && e->streams_ok && s == e->h2d && !spw__arena_fits(a, bytes, s)) {
         spw_status st = evict_window(ctx, a, need, s, incoming, for_prefetch);
-        if (st == SPW_OK) return spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+        /* the run may still not serve s (a victim's block freed on its own stream): then the
+         * plain path below, which trims if it must */
+        if (st == SPW_OK) st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
         if (st != SPW_ERR_OUT_OF_MEMORY) return st;
     }
     for (;;) {
@@ -335,6 +338,13 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     }
     spw_stream as = upload ? e->h2d : s;
     spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
+    /* A block for work on another stream that its cached blocks cannot serve without a trim
+     * is taken as an upload's is, from the H2D stream's room (where release_block hands every
+     * freed block, and where the room in one piece is found); s then waits for the H2D
+     * stream's work so far by an event (spw__copy_order_dev at the acquire), which a trim
+     * would make the host wait for. */
+    bool via_h2d = !upload && e->streams_ok && s != e->h2d && !spw__arena_fits(a, b->bytes, s);
+    if (via_h2d) as = e->h2d;
     spw_block *blk = NULL;
     /* An upload's victims are freed owing their waits (release_block) and the block comes with
      * the waits it owes, so that the upload can start on bytes no victim is still read from. */
@@ -352,7 +362,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     spw__block_set_owner(blk, b);
     b->darena = a;
     b->dev = spw__block_ptr(blk);
-    b->dev_s = as;
+    b->dev_s = as; /* via_h2d: an unrecorded touch on the H2D stream, which s is ordered after */
     b->dev_rec = false;
     b->dev_touched = true;
     if (upload && (st = spw__copy_upload_ordered(ctx, b, w, nw))) {
