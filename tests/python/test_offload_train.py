@@ -375,6 +375,30 @@ def test_activations_are_kept_in_the_budget(policy, micro, clip):
     finish(off, m, ref, big_batches(9)[0])
 
 
+def test_activation_buffers_are_made_once():
+    """Each step saves the same activations: their buffers (and device blocks) are made in the
+    first step and reused after, not made and destroyed per step; the results stay bitwise."""
+    m = stack()
+    ref = copy.deepcopy(m)
+    opt, opt_ref = (torch.optim.SGD(x.parameters(), lr=0.05) for x in (m, ref))
+    off = spt.offload(m, budget="8MiB", optimizer=opt, **EMU)
+    made = []
+    make = off.context.buffer
+    off.context.buffer = lambda n, *a, **k: made.append(n) or make(n, *a, **k)  # type: ignore[method-assign]
+    per_step = []
+    for step in range(4):
+        before, stashed = len(made), off.stats()["offload"]["activations_stashed"]
+        for model, o in ((m, opt), (ref, opt_ref)):
+            mse(model, big_batches(step)[0]).backward()
+            o.step()
+            o.zero_grad()
+        per_step.append((len(made) - before, off.stats()["offload"]["activations_stashed"] - stashed))
+        assert_params_equal(m, ref)
+    assert per_step[0][0] == per_step[0][1] > 0  # the first step makes one buffer per activation
+    assert all(n == 0 and k == per_step[0][1] for n, k in per_step[1:]), per_step
+    off.remove()
+
+
 def test_activations_off_stay_pytorchs():
     m = stack()
     ref = copy.deepcopy(m)

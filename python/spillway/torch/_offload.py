@@ -280,6 +280,7 @@ class Offload:
         # Activations saved for backward of at least this many bytes go to buffers of the
         # context (_saved.stash); None: they stay PyTorch's.
         self._stash_min: Optional[int] = _STASH_MIN if activations else None
+        self._stash_pool: Dict[int, List[Any]] = {}  # bytes -> spare stash buffers (_saved.stash)
         self._open_step = False  # a step left open by a forward (see _top_forward)
         self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
         self.c_steps = 0
@@ -977,6 +978,10 @@ class Offload:
             p.data = p.data.to(orig)
         self._moved_trainable = []
         ctx = self.context
+        for spare in getattr(self, "_stash_pool", {}).values():
+            for b in spare:
+                b.close()
+        self._stash_pool = {}
         for u in self.units:
             if u.buf is not None:
                 u.buf.close()

@@ -19,7 +19,7 @@ may keep it past the unit's release.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -77,19 +77,27 @@ class _Stashed:
     """An activation saved for backward, kept in a spillway buffer of the Offload's context:
     on the device while the budget holds it, written back to pinned host memory when the
     engine needs the room (a dirty buffer), uploaded again when backward reads it. The buffer
-    lives as long as this record (autograd drops it with the graph; backward may read it more
-    than once with retain_graph)."""
+    is this record's as long as it lives (autograd drops it with the graph; backward may read
+    it more than once with retain_graph); then its contents are discarded and it goes to the
+    Offload's pool of spare buffers of its size, for the next step's activation of that size:
+    a buffer and its device block are made once, not per step (a new device block at the budget
+    would take a trim, which waits for the device)."""
 
-    __slots__ = ("buf", "dtype", "size", "__weakref__")
+    __slots__ = ("buf", "dtype", "size", "pool", "__weakref__")
 
-    def __init__(self, buf: Any, t: torch.Tensor) -> None:
+    def __init__(self, buf: Any, t: torch.Tensor, pool: Optional[Dict[int, List[Any]]]) -> None:
         self.buf = buf
         self.dtype = t.dtype
         self.size = tuple(t.size())
+        self.pool = pool
 
     def __del__(self) -> None:
         try:
-            self.buf.close()
+            if self.pool is not None:
+                self.buf.discard()  # raises once the buffer or its context is closed
+                self.pool.setdefault(self.buf.size, []).append(self.buf)
+            else:
+                self.buf.close()
         except Exception:  # the context went first (it closes its buffers), or the interpreter is ending
             pass
 
@@ -229,10 +237,11 @@ def _stashable(off: "Offload", t: torch.Tensor) -> bool:
 
 
 def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
-    """t copied into a new buffer of off's context (device to device, in stream order): the
+    """t copied into a buffer of off's context (a spare one of its size, else a new one) (device to device, in stream order): the
     engine then keeps it, or writes it back to the host, under the one budget."""
     nbytes = t.numel() * t.element_size()
-    rec = _Stashed(off.context.buffer(nbytes), t)
+    spare = off._stash_pool.get(nbytes)
+    rec = _Stashed(spare.pop() if spare else off.context.buffer(nbytes), t, off._stash_pool)
     stream = off._stream()
     ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
     try:
