@@ -633,10 +633,55 @@ static void mixed_sizes_need_no_trim(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* A buffer written on the caller's stream (no upload) at the budget, where no cached block
+ * holds it: its room is a run of the H2D stream's blocks (a window), taken without a trim;
+ * the victims' contents and its own stay intact. */
+static void write_on_the_callers_stream_needs_no_trim(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 4 };
+    const size_t mib[NB] = {3, 5, 2, 6};
+    spw_ctx *ctx = test_ctx("budget=16MiB,policy=lru,grow_ahead=0,prefetch=off,vmm=on");
+    spw_buf *b[NB], *w;
+    uint8_t *tmp = malloc(8 * MiB);
+    for (int i = 0; i < NB; i++) { /* uploaded: their blocks are the H2D stream's */
+        assert_ok(spw_buf_create(ctx, mib[i] * MiB, SPW_BUF_READ_ONLY, &b[i]));
+        memset(tmp, 0x40 + i, mib[i] * MiB);
+        assert_ok(spw_buf_write(b[i], 0, tmp, mib[i] * MiB));
+        void *d;
+        assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+        assert_ok(spw_release(b[i], NULL));
+    }
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    int64_t trims = test_stats(ctx).trim_syncs.total;
+    assert_ok(spw_buf_create(ctx, 7 * MiB, 0, &w));
+    void *d;
+    assert_ok(spw_acquire(w, NULL, SPW_ACCESS_WRITE, &d));
+    test_kfill k = {d, 7 * MiB, 0x7a, NULL};
+    assert_ok(spw_launch_host(ctx, NULL, test_kfill_cb, &k));
+    assert_ok(spw_release(w, NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    spw_stats st = test_stats(ctx);
+    assert_int_equal(st.trim_syncs.total - trims, 0);
+    assert_true(st.window_evictions.total > 0);
+    assert_true(st.held.peak <= 16 * (int64_t)MiB);
+    memset(tmp, 0, 7 * MiB);
+    assert_ok(spw_buf_read(w, 0, tmp, 7 * MiB));
+    for (size_t i = 0; i < 7 * MiB; i += 4099) assert_int_equal(tmp[i], 0x7a);
+    for (int i = 0; i < NB; i++) { /* the victims' contents survive */
+        assert_ok(spw_buf_read(b[i], 0, tmp, mib[i] * MiB));
+        assert_int_equal(tmp[0], 0x40 + i);
+        assert_int_equal(tmp[mib[i] * MiB - 1], 0x40 + i);
+    }
+    free(tmp);
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(exact_victims),
         cmocka_unit_test(mixed_sizes_need_no_trim),
+        cmocka_unit_test(write_on_the_callers_stream_needs_no_trim),
         cmocka_unit_test(dead_data_not_written_back),
         cmocka_unit_test(read_after_drop_is_an_error),
         cmocka_unit_test(divergence_and_relearning),
