@@ -69,10 +69,8 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import types
@@ -80,6 +78,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+
+import launcher  # same directory: a child process and its result line
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
@@ -266,32 +266,7 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
 def launch(argv: List[str], env: Dict[str, str], timeout: float) -> Dict[str, Any]:
     """Runs one child, its output passed on to our stderr as it comes; returns its RESULT, with
     the interposer's peak charged bytes when it reported them (cap_peak)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    out: List[str] = []
-    err: List[str] = []
-
-    def pump(pipe: Any, lines: List[str]) -> None:
-        for line in pipe:
-            lines.append(line)
-            if not line.startswith(RESULT):
-                sys.stderr.write(line)
-
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, out)),
-             threading.Thread(target=pump, args=(proc.stderr, err))]
-    for th in pumps:
-        th.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-        why = f"exited {rc} without a result"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-        why = f"killed after {timeout:g} s"
-    for th in pumps:
-        th.join()
-    results = [ln for ln in out if ln.startswith(RESULT)]
-    r = json.loads(results[-1][len(RESULT):]) if results else dict(error=why)
-    r["rc"] = rc
+    r, err = launcher.launch(argv, env, timeout, RESULT)
     charged = [int(m.group(1)) for m in map(CHARGED.search, err) if m]
     if charged:
         r["cap_peak"] = max(charged)

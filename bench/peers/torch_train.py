@@ -95,10 +95,8 @@ import re
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import types
@@ -106,6 +104,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+import launcher  # same directory: a child process and its result line
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -619,31 +619,9 @@ def child(args: argparse.Namespace, shape: Dict[str, Any]) -> int:
 
 def launch(argv: List[str], env: Dict[str, str], timeout: float) -> Dict[str, Any]:
     """Runs one child, its stderr passed on as it comes; returns its RESULT."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    out: List[str] = []
-
-    def pump(pipe: Any, keep: bool) -> None:
-        for line in pipe:
-            if keep and line.startswith(RESULT):
-                out.append(line)
-            else:
-                sys.stderr.write(line)
-
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, True)),
-             threading.Thread(target=pump, args=(proc.stderr, False))]
-    for th in pumps:
-        th.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-        why = f"exited {rc} without a result"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-        why = f"killed after {timeout:g} s"
-    for th in pumps:
-        th.join()
-    r = json.loads(out[-1][len(RESULT):]) if out else dict(error=why, failed="(process)")
-    r["rc"] = rc
+    r, _ = launcher.launch(argv, env, timeout, RESULT)
+    if "error" in r and "failed" not in r:
+        r["failed"] = "(process)"
     return r
 
 
