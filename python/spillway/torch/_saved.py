@@ -19,7 +19,8 @@ may keep it past the unit's release.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -83,19 +84,20 @@ class _Stashed:
     a buffer and its device block are made once, not per step (a new device block at the budget
     would take a trim, which waits for the device)."""
 
-    __slots__ = ("buf", "dtype", "size", "pool", "__weakref__")
+    __slots__ = ("buf", "dtype", "size", "owner", "__weakref__")
 
-    def __init__(self, buf: Any, t: torch.Tensor, pool: Optional[Dict[int, List[Any]]]) -> None:
+    def __init__(self, buf: Any, t: torch.Tensor, owner: "Offload") -> None:
         self.buf = buf
         self.dtype = t.dtype
         self.size = tuple(t.size())
-        self.pool = pool
+        self.owner = weakref.ref(owner)  # a removed Offload keeps no spares: the buffer is closed
 
     def __del__(self) -> None:
         try:
-            if self.pool is not None:
-                self.buf.discard()  # raises once the buffer or its context is closed
-                self.pool.setdefault(self.buf.size, []).append(self.buf)
+            off = self.owner()
+            if off is not None and not off._closed:
+                self.buf.discard()
+                off._stash_pool.setdefault(self.buf.size, []).append(self.buf)
             else:
                 self.buf.close()
         except Exception:  # the context went first (it closes its buffers), or the interpreter is ending
@@ -237,11 +239,12 @@ def _stashable(off: "Offload", t: torch.Tensor) -> bool:
 
 
 def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
-    """t copied into a buffer of off's context (a spare one of its size, else a new one) (device to device, in stream order): the
-    engine then keeps it, or writes it back to the host, under the one budget."""
+    """t copied (device to device, in stream order) into a buffer of off's context, a spare one
+    of its size where there is one: the engine then keeps it, or writes it back to the host,
+    under the one budget."""
     nbytes = t.numel() * t.element_size()
     spare = off._stash_pool.get(nbytes)
-    rec = _Stashed(spare.pop() if spare else off.context.buffer(nbytes), t, off._stash_pool)
+    rec = _Stashed(spare.pop() if spare else off.context.buffer(nbytes), t, off)
     stream = off._stream()
     ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
     try:
