@@ -521,11 +521,27 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         times: List[float] = []
         r["losses"] = losses
         moved0 = moved1 = (0, 0)
+        split: Dict[str, List[float]] = {"forward": [], "backward": [], "optimizer": []}
+        mark = [0.0]
+
+        def lap(what: str, step: int) -> None:  # --profile: the time since the last lap, synced
+            if args.profile:
+                sync()
+                now = time.perf_counter()
+                if step >= args.warmup:
+                    split[what].append(now - mark[0])
+                mark[0] = now
+
+        prof = None
         for step in range(args.steps):
             if step == 0 and args.warmup == 0 and off is not None:
                 moved0 = moved_now(off)
             sync()
-            t = time.perf_counter()
+            if args.profile and step == args.steps - 1:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
+            t = mark[0] = time.perf_counter()
             total = 0.0
             for k in range(args.accum):
                 ids = ids_all[step * args.accum + k].to(dev)
@@ -533,10 +549,12 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                     phase[0] = f"step {step} forward"
                     with amp():
                         loss = loss_of(model, ids)
+                    lap("forward", step)
                     phase[0] = f"step {step} backward"
                     if host is not None:
                         host.offload_now = k == args.accum - 1
                     (loss / args.accum).backward()
+                    lap("backward", step)
                 total += loss.detach()
             phase[0] = f"step {step} optimizer"
             # A step's bytes: from before the last optimizer step to before its own, since the end
@@ -555,8 +573,17 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                     torch.nn.utils.clip_grad_norm_(trained, args.clip)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            lap("optimizer", step)
             sync()
             dt = time.perf_counter() - t
+            if prof is not None:
+                prof.disable()
+                import io
+                import pstats
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+                print(f"--- {name} {budget or ''}: host time of step {step} by function\n{out.getvalue()}",
+                      file=sys.stderr)
             losses.append(float(total) / args.accum)
             if step >= args.warmup:
                 times.append(dt)
@@ -566,6 +593,9 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         ms = statistics.median(times) * 1e3
         tokens = shape["batch"] * shape["seq"] * args.accum
         r.update(ms=ms, tok_s=tokens / (ms / 1e3), times_ms=[round(x * 1e3, 2) for x in times])
+        if args.profile:
+            r["split_ms"] = {k: round(statistics.median(v) * 1e3, 2) for k, v in split.items() if v}
+            log(f"{name} {budget or ''}: median ms (synced) {r['split_ms']}")
         torch_peak = None
         if cuda and alloc is None:
             torch_peak = torch.cuda.max_memory_reserved()
@@ -716,6 +746,10 @@ def main() -> int:
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--keep-ref", action="store_true", help="keep the directory of resident's final parameters")
     p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU: the control flow only")
+    p.add_argument("--profile", action="store_true",
+                   help="each child: the host time of its last step by function (cProfile, top 30 by own "
+                        "time, on stderr) and the forward/backward/optimizer split of every timed step "
+                        "(a device sync between them: slower steps)")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--one-budget", help=argparse.SUPPRESS)
     p.add_argument("--ref-dir", help=argparse.SUPPRESS)
@@ -753,7 +787,7 @@ def main() -> int:
     env = dict(os.environ, TORCH_TRAIN_T0=repr(T0))
     base = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--accum", str(args.accum), "--clip", str(args.clip),
-            "--ref-dir", ref_dir] + (["--smoke"] if args.smoke else [])
+            "--ref-dir", ref_dir] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
     rows: List[Dict[str, Any]] = []
     try:
         for v in variants:

@@ -49,17 +49,18 @@ How it works, and the contracts it keeps:
 - Training (optimizer=opt): the trainable parameters are offloaded and their host Parameters
   are the master copy. While grad is enabled the slot of each one gets, instead of the device
   tensor, _train.ToHost(parameter, device tensor): an alias of the device tensor whose backward
-  copies the gradient to the host and hands it to the Parameter, so autograd's AccumulateGrad
-  accumulates it into the host .grad (accumulation, zero_grad, clipping and parameter groups
-  work as on a resident model). The device tensors of trained units never require grad. Such a
+  hands the gradient to _train.GradLanding, which copies it to pinned host memory on a side
+  stream without waiting and, at the end of the backward (one wait), sets or adds it to the
+  host Parameter's .grad (accumulation, zero_grad, clipping and parameter groups work as on a
+  resident model). The device tensors of trained units never require grad. Such a
   unit takes the general acquire path under grad (_acquire, u.live: what the slots hold, for the
   release to recognise); under no_grad and for frozen units the common case is unchanged. opt
   steps on the host (its state is there too); its step is wrapped (an instance attribute, a
   method bound to opt; remove() puts back what was there) so that it ends by evicting the
   units holding opt's parameters: a read-only buffer's device copy is dropped without a
-  transfer, and the next acquire uploads the updated host copy. On CUDA the gradient copies
-  are synchronous (.to(host) in backward), so the host step runs after the backward's device
-  work; a unit the plan prefetched meanwhile holds old values and is dropped by the eviction.
+  transfer, and the next acquire uploads the updated host copy. The host step runs after
+  the backward's gradients have landed; a unit the plan prefetched meanwhile holds old values
+  and is dropped by the eviction.
 - Buffers (rotary tables, norm statistics) are offloaded like weights, read-only. A buffer
   modified in place during a forward is detected at release (its version counter moved) and
   its new contents are written through to the host copy, so nothing is lost; this costs a
@@ -287,6 +288,8 @@ class Offload:
         self.activations_stashed = 0
         self.activation_bytes = 0
         self._train = optimizer is not None
+        # gradients of the trained host Parameters on their way from the device (ToHost)
+        self._landing: Optional[_train.GradLanding] = _train.GradLanding(dev) if self._train else None
         self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
         self._step_wrap: Optional[Tuple[Any, bool, Any, Any]] = None  # (opt, had step attribute, it, ours)
         self.optimizer_steps = 0
@@ -555,20 +558,20 @@ class Offload:
         u.stream, u.devptr, u.refs = stream, ptr, 1
         self._acquired[ptr] = u
 
-    @staticmethod
-    def _swap_trained(u: _Unit, dset: _DevSet) -> None:
+    def _swap_trained(self, u: _Unit, dset: _DevSet) -> None:
         """Point u's modules at its device copy for a forward under grad: the slot of each
         parameter that requires grad gets _train.ToHost(parameter, device tensor), one per tensor
         (its holders share it), the others their device tensor. u.live keeps what the slots
         hold, for the release to recognise."""
         ds, ks, vs, ps = dset[1]
+        landing = self._landing
         made: Dict[int, torch.Tensor] = {}
         live = []
         for v, p in zip(vs, ps):
             if p.requires_grad:
                 a = made.get(id(v))
                 if a is None:
-                    a = made[id(v)] = _train.ToHost.apply(p, v)
+                    a = made[id(v)] = _train.ToHost.apply(p, v, landing)
                 live.append(a)
             else:
                 live.append(v)

@@ -42,24 +42,76 @@ def check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str,
                                   "every parameter of optimizer= must be a trainable parameter of the module")
 
 
+class GradLanding:
+    """The gradients of an Offload's trained host Parameters on their way from the device. A
+    ToHost backward hands its gradient here (take) instead of to autograd: on CUDA a copy into
+    pinned host memory is enqueued on a side stream (ordered after the backward's stream, so the
+    backward's kernels do not wait for it) and the host goes on. At the end of the backward
+    (a callback queued with autograd's engine, before backward() returns) land waits for the
+    side stream once and sets, or adds to, each Parameter's .grad: accumulation over backwards,
+    zero_grad, clipping and parameter groups then act on the host Parameters as on resident ones.
+    One host wait a backward, not one a parameter. Hooks registered on the host Parameters do
+    not run (autograd never accumulates into them)."""
+
+    __slots__ = ("pending", "queued", "stream", "landed_bytes")
+
+    def __init__(self, device: torch.device) -> None:
+        self.pending: list = []  # (host Parameter, host tensor), in the order backward made them
+        self.queued = False
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.landed_bytes = 0
+
+    def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.device == host.device:  # emu: the device tensors are host memory already
+            h = grad
+        else:
+            s = self.stream
+            s.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(s):
+                h = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+                h.copy_(grad, non_blocking=True)
+            grad.record_stream(s)
+        self.pending.append((host, h))
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.land)
+
+    def land(self) -> None:
+        """Every pending gradient into its Parameter's .grad (after the copies are done). Also
+        called before an optimizer step and a forward, in case a failed backward left some."""
+        self.queued = False
+        pend, self.pending = self.pending, []
+        if not pend:
+            return
+        if self.stream is not None:
+            self.stream.synchronize()
+        with torch.no_grad():
+            for p, h in pend:
+                if p.grad is None:
+                    p.grad = h
+                else:
+                    p.grad.add_(h)
+                self.landed_bytes += h.numel() * h.element_size()
+
+
 class ToHost(torch.autograd.Function):
     """What the slot of a trained parameter holds during a forward under grad: an alias of its
-    device tensor, whose gradient goes to the host Parameter. forward(host, dev) returns a view
-    of dev (the module computes with the device copy); backward hands the incoming gradient,
-    copied to the host, to host, so autograd's own AccumulateGrad accumulates it into
-    host.grad (accumulation over backwards, zero_grad, clipping and parameter groups then act
-    on the host Parameters as they would on resident ones), and nothing for dev (no device
-    .grad is ever kept). On CUDA that copy is .to(host) on the backward's stream, synchronous
-    with the host: the thing to overlap with the rest of the backward later."""
+    device tensor, whose gradient goes to the host Parameter. forward(host, dev, landing)
+    returns a view of dev (the module computes with the device copy); backward gives the
+    incoming gradient to landing (GradLanding: copied to the host without a wait, put in
+    host.grad at the end of the backward) and nothing to autograd (no device .grad is ever
+    kept)."""
 
     @staticmethod
-    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.host_device = host.device
+    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor, landing: GradLanding) -> torch.Tensor:  # type: ignore[override]
+        ctx.host = host
+        ctx.landing = landing
         return dev.view_as(dev)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad.to(ctx.host_device), None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:  # type: ignore[override]
+        ctx.landing.take(ctx.host, grad)
+        return None, None, None
 
 
 def to_host(off: Any, opt: torch.optim.Optimizer) -> None:
@@ -126,6 +178,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
             args = (fresh(args[0]),) + args[1:]
         elif kwargs.get("closure") is not None:
             kwargs["closure"] = fresh(kwargs["closure"])
+        off._landing.land()
         try:
             if off.host_update == "spillway" and not args and kwargs.get("closure") is None and c_adamw_step(opt):
                 off.c_steps += 1
