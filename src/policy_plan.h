@@ -120,6 +120,7 @@ struct spw_policy {
     uint64_t trial_ns[N_TRIALS];
     uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
+    unsigned trials_left_out;       /* bit i: EARLY_TRIALS[i] is not tried (a step that writes: no split) */
     int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
     uint32_t since_tuned;           /* steps begun since the choice */
     uint32_t retunes;               /* trials started again by a recheck */

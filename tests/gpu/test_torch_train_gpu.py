@@ -1,9 +1,10 @@
 """Training through spillway.torch.offload(model, budget, optimizer=opt) on a real GPU
-(backend="cuda"). The reference is the same model resident on the device with the same
-optimizer there (single-tensor path): forward and backward run the same kernels, so the first
-step's loss and gradients are bitwise equal; the update runs on the host CPU against the
-device's, so parameters are compared within 1e-5 of each tensor's largest element after each
-step, and losses within 1e-4 relative. Skipped without CUDA.
+(backend="cuda"). The reference is the same model resident on the device whose optimizer runs
+as ours does, on a host master copy: its gradients copied to the host, clipped there, the same
+optimizer's step, the parameters copied back. Forward and backward run the same kernels on the
+same weights, so with a torch optimizer every loss, gradient and parameter is bitwise equal to
+the reference at every step; spillway's C AdamW is held to the same reference within 1e-5 of
+each tensor's largest element. Skipped without CUDA.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \
         python -m pytest -q -s tests/gpu/test_torch_train_gpu.py
@@ -53,18 +54,20 @@ def loss_of(model: nn.Module, batch, autocast: bool) -> torch.Tensor:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+    """The largest difference relative to b's largest element (an elementwise ratio is
+    arbitrarily large where b is near zero)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def close_params(m: nn.Module, ref: nn.Module, tol: float) -> float:
-    """The largest difference of each parameter from ref's, relative to ref's largest element
-    (the host's and the device's AdamW round differently, and an element near zero would make
-    an elementwise ratio of that rounding arbitrarily large)."""
+    """The worst rel() of m's parameters against ref's; tol 0: bitwise equal."""
     worst = 0.0
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-        a, b = p.detach().double(), q.detach().double().cpu()
-        r = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        if tol == 0:
+            assert torch.equal(p.detach(), q.detach().cpu()), n
+            continue
+        r = rel(p, q)
         worst = max(worst, r)
         assert r <= tol, (n, r)
     return worst
@@ -76,14 +79,16 @@ def test_train_offloaded_decoder_on_the_device(case):
     gradients' host copies, saved activations; every step moves the weights."""
     m = make_decoder(vocab=1024, dim=256, heads=4, layers=4).train()
     ref = copy.deepcopy(m).to(DEV)
+    master = copy.deepcopy(m)  # the reference's host copy, which its optimizer updates
     micro, clip, autocast = (4, 1.0, True) if case == "accum-clip-autocast" else (1, 0.0, False)
+    tol = 1e-5 if case == "c-adamw" else 0.0
 
     def make_opt(mod):
         if case == "sgd":
             return torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9, foreach=False)
         return torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
 
-    opt, opt_ref = make_opt(m), make_opt(ref)
+    opt, opt_ref = make_opt(m), make_opt(master)
     off = spt.offload(m, budget="8MiB", optimizer=opt, host_update="spillway" if case == "c-adamw" else "torch",
                       **CUDA)
     assert off.context.backend == "cuda" and offloaded_bytes(off) > off.context.budget
@@ -92,26 +97,31 @@ def test_train_offloaded_decoder_on_the_device(case):
         for x in batches(step, micro):
             loss = moved(off, lambda: loss_of(m, x, autocast))
             want = loss_of(ref, x, autocast)
-            if step == 0:  # same kernels, same weights: bitwise
-                assert torch.equal(loss.cpu(), want.cpu()), (loss, want)
+            if tol == 0 or step == 0:  # same kernels, same weights: bitwise
+                assert torch.equal(loss.cpu(), want.cpu()), (step, loss, want)
             worst_loss = max(worst_loss, rel(loss, want))
             loss.backward()
             want.backward()
-        if step == 0:
-            for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-                assert p.grad is not None and p.grad.device.type == "cpu", n
-                assert torch.equal(p.grad, q.grad.cpu()), n
+        for (n, p), (_, q), (_, h) in zip(m.named_parameters(), ref.named_parameters(), master.named_parameters()):
+            assert p.grad is not None and p.grad.device.type == "cpu", n
+            if tol == 0 or step == 0:
+                assert torch.equal(p.grad, q.grad.cpu()), (step, n)
+            h.grad = q.grad.cpu()
         if clip:
             n1 = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip)
-            n2 = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=clip)
-            assert rel(n1, n2) < 1e-5
+            n2 = torch.nn.utils.clip_grad_norm_(master.parameters(), max_norm=clip)
+            assert rel(n1, n2) <= (tol or 0.0) or torch.equal(n1, n2)
         opt.step()
         opt_ref.step()
+        with torch.no_grad():
+            for q, h in zip(ref.parameters(), master.parameters()):
+                q.copy_(h)
         opt.zero_grad(set_to_none=True)
         opt_ref.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        worst_param = max(worst_param, close_params(m, ref, 1e-5))
-    assert worst_loss < 1e-4
+        worst_param = max(worst_param, close_params(m, ref, tol))
+    assert worst_loss <= 1e-4 if tol else worst_loss == 0
     h = off.stats()["offload"]
     assert h["optimizer_steps"] == STEPS
     if case == "c-adamw":
@@ -123,7 +133,6 @@ def test_train_offloaded_decoder_on_the_device(case):
     with torch.no_grad():
         ids = batches(9, 1)[0][0]
         a, b = m(ids)[0], ref(ids)[0]
-        assert rel(a.float(), b.float()) < 1e-3
+        assert rel(a.float(), b.float()) <= max(tol, 1e-3) if tol else torch.equal(a, b)
     off.remove()
     assert all(p.device.type == "cpu" for p in m.parameters())
-

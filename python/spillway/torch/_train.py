@@ -62,8 +62,8 @@ class GradLanding:
         self.landed_bytes = 0
 
     def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
-        if grad.device == host.device:  # emu: the device tensors are host memory already
-            h = grad
+        if grad.device == host.device:  # emu: the device tensors are host memory already; a copy of
+            h = grad.detach().clone(memory_format=torch.contiguous_format)  # our own, as on CUDA
         else:
             s = self.stream
             s.wait_stream(torch.cuda.current_stream(grad.device))
@@ -85,13 +85,24 @@ class GradLanding:
             return
         if self.stream is not None:
             self.stream.synchronize()
+        # A parameter used more than once (a tied weight, a block called twice) gets several: they
+        # are summed in the order backward made them, then added to .grad, as autograd sums a
+        # leaf's incoming gradients before its AccumulateGrad (so accumulation over backwards
+        # adds the same sums in the same order as on a resident model).
+        sums: Dict[int, list] = {}
+        for p, h in pend:
+            e = sums.get(id(p))
+            if e is None:
+                sums[id(p)] = [p, h]
+            else:
+                e[1] = e[1] + h
+            self.landed_bytes += h.numel() * h.element_size()
         with torch.no_grad():
-            for p, h in pend:
+            for p, h in sums.values():
                 if p.grad is None:
                     p.grad = h
                 else:
                     p.grad.add_(h)
-                self.landed_bytes += h.numel() * h.element_size()
 
 
 class ToHost(torch.autograd.Function):
