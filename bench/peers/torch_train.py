@@ -489,8 +489,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         elif spw:
             opt = adamw(trained, "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
-            if name == "spillway-c":
-                kw["host_update"] = "spillway"
+            kw["host_update"] = "spillway" if name == "spillway-c" else "torch"
             if name != "spillway-alloc":
                 kw["budget"] = budget
             off = spt.offload(model, optimizer=opt, **kw)

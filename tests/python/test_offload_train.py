@@ -385,7 +385,7 @@ def test_activation_buffers_are_made_once():
     made = []
     make = off.context.buffer
     off.context.buffer = lambda n, *a, **k: made.append(n) or make(n, *a, **k)  # type: ignore[method-assign]
-    per_step = []
+    per_step, slots, diverged = [], [], []
     for step in range(4):
         before, stashed = len(made), off.stats()["offload"]["activations_stashed"]
         for model, o in ((m, opt), (ref, opt_ref)):
@@ -393,9 +393,15 @@ def test_activation_buffers_are_made_once():
             o.step()
             o.zero_grad()
         per_step.append((len(made) - before, off.stats()["offload"]["activations_stashed"] - stashed))
+        slots.append([id(b) for b in off._stash_slots])
+        diverged.append(off.context.stats()["plan_divergences"]["total"])
         assert_params_equal(m, ref)
     assert per_step[0][0] == per_step[0][1] > 0  # the first step makes one buffer per activation
     assert all(n == 0 and k == per_step[0][1] for n, k in per_step[1:]), per_step
+    # the i-th activation of a step gets the buffer it had in the last step: the step's accesses
+    # repeat, and the plan follows them
+    assert all(s == slots[0] for s in slots[1:])
+    assert diverged[-1] == diverged[1], diverged
     off.remove()
 
 

@@ -13,7 +13,7 @@ from ._pipeline import offload_all
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
-            host_update: str = "torch", **options: Any) -> Any:
+            host_update: str = "spillway", **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -40,21 +40,23 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     optimizer: a torch.optim.Optimizer over trainable parameters of module, to train them
     through the offload (the loop stays `loss.backward(); opt.step(); opt.zero_grad()`). The
     trainable parameters are offloaded too, and their host Parameters (the CPU views between
-    forwards) are the master copy: backward copies each gradient to the host and autograd
-    accumulates it into the host Parameter's .grad (so accumulation over several backwards,
-    zero_grad, clip_grad_norm_ over module.parameters() and parameter groups work as on a
-    resident model), and opt steps on the host, its state there too: gradients and optimizer
-    state take no device memory. opt.step is wrapped (remove() unwraps it) so that each step
-    ends by dropping the device copies of the units holding opt's parameters; the next forward
-    uploads the new values. On CUDA the gradient copies are synchronous (.to("cpu") in
-    backward); overlapping them with the backward is not done yet. Refused before anything
-    moves (InvalidArgument) when opt is not an Optimizer, holds a parameter that is not a
-    trainable parameter of module, or module has none; with offload_trainable=False it is a
-    ConfigError. One module only (not a list or a pipeline).
-    host_update: "torch" (opt's own step) or "spillway": a torch.optim.AdamW's step runs in
-    spillway's C AdamW (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own state,
-    where every parameter is a contiguous float32 CPU tensor and the group asks for nothing the
-    C step lacks (foreach, fused, capturable, a closure); otherwise opt's own step runs.
+    forwards) are the master copy: backward copies each gradient to pinned host memory on a
+    side stream without waiting, and at the end of the backward (one wait) adds it to the host
+    Parameter's .grad (so accumulation over several backwards, zero_grad, clip_grad_norm_ over
+    module.parameters() and parameter groups work as on a resident model; hooks registered on
+    the Parameters do not run), and opt steps on the host, its state there too: gradients and
+    optimizer state take no device memory. opt.step is wrapped (remove() unwraps it) so that
+    each step ends by dropping the device copies of the units holding opt's parameters; the
+    next forward uploads the new values. Refused before anything moves (InvalidArgument) when
+    opt is not an Optimizer, holds a parameter that is not a trainable parameter of module, or
+    module has none; with offload_trainable=False it is a ConfigError. One module only (not a
+    list or a pipeline).
+    host_update: "spillway" (default): a torch.optim.AdamW's step runs in spillway's C AdamW
+    (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own state, where every
+    parameter is a contiguous float32 CPU tensor and the group asks for nothing the C step
+    lacks (foreach, fused, capturable, a closure); otherwise, and for every other optimizer,
+    opt's own step runs. "torch": always opt's own step (on the host: torch's CPU kernels,
+    bitwise what opt computes on a CPU model).
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward

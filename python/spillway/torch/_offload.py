@@ -146,7 +146,7 @@ class Offload:
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
-               activations: bool = False, host_update: str = "torch") -> "Offload":
+               activations: bool = False, host_update: str = "spillway") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         if not isinstance(module, nn.Module):
@@ -281,7 +281,9 @@ class Offload:
         # Activations saved for backward of at least this many bytes go to buffers of the
         # context (_saved.stash); None: they stay PyTorch's.
         self._stash_min: Optional[int] = _STASH_MIN if activations else None
-        self._stash_pool: Dict[int, List[Any]] = {}  # bytes -> spare stash buffers (_saved.stash)
+        self._stash_pool: Dict[int, Dict[int, Any]] = {}  # bytes -> {id: spare stash buffer} (_saved.stash)
+        self._stash_slots: List[Any] = []  # the buffer of the i-th activation stashed in the last step
+        self._stash_next = 0  # stashes so far in this step
         self._open_step = False  # a step left open by a forward (see _top_forward)
         self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
         self.c_steps = 0
@@ -882,6 +884,7 @@ class Offload:
 
     # ------------------------------------------------------------------ steps
     def _step_begin(self) -> None:
+        self._stash_next = 0
         st = _lib_c.spw_step_begin(self._ctx_handle)
         if st:
             raise error_for(st)
@@ -982,9 +985,10 @@ class Offload:
         self._moved_trainable = []
         ctx = self.context
         for spare in getattr(self, "_stash_pool", {}).values():
-            for b in spare:
+            for b in spare.values():
                 b.close()
         self._stash_pool = {}
+        self._stash_slots = []
         for u in self.units:
             if u.buf is not None:
                 u.buf.close()

@@ -97,7 +97,7 @@ class _Stashed:
             off = self.owner()
             if off is not None and not off._closed:
                 self.buf.discard()
-                off._stash_pool.setdefault(self.buf.size, []).append(self.buf)
+                off._stash_pool.setdefault(self.buf.size, {})[id(self.buf)] = self.buf
             else:
                 self.buf.close()
         except Exception:  # the context went first (it closes its buffers), or the interpreter is ending
@@ -238,13 +238,36 @@ def _stashable(off: "Offload", t: torch.Tensor) -> bool:
             and not (t.is_leaf and t.requires_grad) and not isinstance(t, torch.nn.Parameter))
 
 
+def _stash_buffer(off: "Offload", nbytes: int) -> Any:
+    """A buffer for the step's next stashed activation: the one the activation at the same place
+    in the last step had, if it is spare (so that a step's accesses repeat buffer for buffer and
+    the plan policy can follow them), else any spare one of its size, else a new one."""
+    i = off._stash_next
+    off._stash_next = i + 1
+    slots = off._stash_slots
+    buf = None
+    spare = off._stash_pool.get(nbytes)
+    if spare:
+        want = slots[i] if i < len(slots) else None
+        if want is not None:
+            buf = spare.pop(id(want), None)
+        if buf is None:
+            buf = spare.popitem()[1]
+    if buf is None:
+        buf = off.context.buffer(nbytes)
+    if i < len(slots):
+        slots[i] = buf
+    else:
+        slots.append(buf)
+    return buf
+
+
 def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
     """t copied (device to device, in stream order) into a buffer of off's context, a spare one
     of its size where there is one: the engine then keeps it, or writes it back to the host,
     under the one budget."""
     nbytes = t.numel() * t.element_size()
-    spare = off._stash_pool.get(nbytes)
-    rec = _Stashed(spare.pop() if spare else off.context.buffer(nbytes), t, off)
+    rec = _Stashed(_stash_buffer(off, nbytes), t, off)
     stream = off._stream()
     ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
     try:
