@@ -482,3 +482,27 @@ def test_without_an_optimizer_a_trainable_model_is_offloaded_for_inference():
         y.sum().backward()
     off.remove()
     assert all(p.grad is None for p in m.parameters())
+
+
+def test_trained_weights_are_units_small_enough_to_stream():
+    """Each optimizer step makes the device copies of trained weights stale, so they cross the
+    link every step whatever the budget: a budget that would take the whole model as one unit
+    still gets units of at most a sixteenth of it (one a layer here: a Linear is not split), which the plan can upload
+    while the one before computes."""
+    m = stack()
+    ref = copy.deepcopy(m)
+    frozen = spt.offload(copy.deepcopy(m).requires_grad_(False), budget="64MiB", **EMU)
+    assert len(frozen.units) <= 2  # inference: a few large units, uploaded once
+    frozen.remove()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    off = spt.offload(m, budget="64MiB", optimizer=opt, **EMU)
+    layer = sum(p.numel() * p.element_size() for p in ref[0].parameters())  # a Linear is not split
+    assert len(off.units) >= 8 and max(u.nbytes for u in off.units) <= layer
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(2):
+        for model, o in ((m, opt), (ref, opt_ref)):
+            mse(model, stack_batches(step)[0]).backward()
+            o.step()
+            o.zero_grad()
+    assert_params_equal(m, ref)
+    off.remove()

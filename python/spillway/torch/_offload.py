@@ -223,7 +223,8 @@ class Offload:
         if blocks is not None:
             groups = [[b] for b in blocks]
         else:
-            lo, hi = _partition.bounds(budget_v)
+            streamed = sum(p.numel() * p.element_size() for _, p in trainable.values()) if optimizer is not None else 0
+            lo, hi = _partition.bounds(budget_v, streamed)
             groups = _partition.partition(module, set(kept), lo, hi)
         units, needs, hooked = _plan_units(module, groups, set(kept), names)
         if not units:

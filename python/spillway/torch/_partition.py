@@ -29,10 +29,15 @@ _LO_MAX = 64 << 20
 _ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)  # units of this size already make a hook's host time a small part of the upload
 
 
-def bounds(budget: int) -> "tuple[int, int]":
+def bounds(budget: int, streamed: int = 0) -> "tuple[int, int]":
     """(lo, hi) for a budget: units up to a quarter of it, runs grouped to half of that (at most
-    _LO_MAX)."""
+    _LO_MAX). streamed: bytes that cross the link every step whatever the budget (trained
+    weights, whose device copies each optimizer step makes stale); units of them are kept to a
+    sixteenth of it, so that the plan can upload the next while one computes (one unit of the
+    whole model would upload before any work starts)."""
     hi = max(budget // 4, 1)
+    if streamed:
+        hi = min(hi, max(streamed // 16, 1))
     return min(hi // 2, _LO_MAX), hi
 
 
