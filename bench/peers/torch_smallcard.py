@@ -249,7 +249,14 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
         if variant == "resident" and args.ref:
             torch.save(tokens, args.ref)
         elif args.ref and os.path.exists(args.ref):
-            r["equal"] = bool(torch.equal(tokens, torch.load(args.ref)))
+            want = torch.load(args.ref)
+            r["equal"] = bool(torch.equal(tokens, want))
+            if not r["equal"] and tokens.shape == want.shape:
+                # where they part: a near tie of two logits flips late and takes the rest with it;
+                # a wrong weight parts at the first token
+                diff = (tokens != want).reshape(tokens.shape[0], -1)
+                first = [int(row.nonzero()[0]) if bool(row.any()) else None for row in diff]
+                r.update(differ_tokens=int(diff.sum()), first_differ=first, tokens_len=int(diff.shape[1]))
     except Exception as e:  # noqa: BLE001 - reported in the table; the other variants still run
         traceback.print_exc()
         r.update(failed=phase, oom=is_oom(e), error=f"{type(e).__name__}: {str(e).strip()[:600]}")
@@ -308,6 +315,9 @@ def print_table(rows: List[Dict[str, Any]], budget: str, shape: Dict[str, int], 
               f"{r['prefill_ms']:>11.1f}{r['generate_s']:>11.3f}{fmt(r.get('decode_tok_s'), '.1f'):>13}{tokens:>11}"
               f"{fmt(r['device_peak'], '.2f', GiB):>9}{fmt(r.get('cap_peak'), '.2f', GiB):>13}"
               f"{fmt(r.get('moved_per_forward'), '.0f', MiB):>14}{fmt(r.get('hook_us_median'), '.1f'):>8}")
+        if r.get("differ_tokens"):
+            print(f"{'':<18}{r['differ_tokens']} tokens differ; each sequence's first differing position "
+                  f"(of {r.get('tokens_len', '?')}): {r['first_differ']}")
         if r.get("forwards_per_generate") not in (None, 0, new):
             print(f"{'':<18}{r['forwards_per_generate']:.0f} forwards per generate, not {new}")
     by = {r["variant"]: r for r in rows}

@@ -190,13 +190,15 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         elif kwargs.get("closure") is not None:
             kwargs["closure"] = fresh(kwargs["closure"])
         off._landing.land()
+        done: set = set()
         try:
-            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and c_adamw_step(opt):
+            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
+                    c_adamw_step(opt, off, done):
                 off.c_steps += 1
                 return None
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
-            refresh(off)
+            refresh(off, done)
             off.optimizer_steps += 1
             off._end_open_step()  # forward, backward and this step were one plan step
 
@@ -224,10 +226,10 @@ def unwrap_step(off: Any) -> None:
     # else something wrapped it since (an LR scheduler): left in place, ours only steps now
 
 
-def refresh(off: Any) -> None:
+def refresh(off: Any, done: Optional[set] = None) -> None:
     """Drop the device copy of every unit holding a parameter of the optimizer (spw_evict;
     a read-only buffer's copy is dropped without a transfer): the next acquire uploads the
-    host copy the step updated."""
+    host copy the step updated. done: indices of units already refreshed (c_adamw_step)."""
     if off._depth or off._acquired:
         raise StateError("spillway.torch: the optimizer stepped during a forward of the offloaded module; "
                          "call opt.step() after backward")
@@ -239,10 +241,24 @@ def refresh(off: Any) -> None:
             if u is not None:
                 units[u.index] = u
     for u in units.values():
+        if done and u.index in done:
+            continue
         st = _lib_c.spw_evict(u.handle)
         if st:
             raise error_for(st)
-    off.step_evictions += len(units)
+        off.step_evictions += 1
+
+
+def _renew(off: Any, u: _Unit) -> None:
+    """u's parameters were just updated on the host: drop its stale device copy and start
+    uploading the new one (spw_prefetch, on the current stream: a hint the policy may decline),
+    so that the upload overlaps the update of the units after it."""
+    st = _lib_c.spw_evict(u.handle)
+    if not st:
+        st = _lib_c.spw_prefetch(u.handle, off._stream())
+    if st:
+        raise error_for(st)
+    off.step_evictions += 1
 
 
 def _c_eligible(opt: torch.optim.Optimizer) -> bool:
@@ -266,33 +282,48 @@ def _c_eligible(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
-def c_adamw_step(opt: torch.optim.Optimizer) -> bool:
+def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
     """opt.step() of a torch.optim.AdamW by spillway's C kernels (spillway.optim.adamw_step, all
     cores, vectorized), on opt's own state (state["step"], "exp_avg", "exp_avg_sq",
     "max_exp_avg_sq" initialized as torch does, so state_dict() and a later torch step carry
-    on). False, nothing done, when _c_eligible says no: the caller runs torch's step."""
+    on). False, nothing done, when _c_eligible says no: the caller runs torch's step. With off
+    (an Offload), unit by unit in the order of the units (the forward's, as a rule), each unit
+    renewed (_renew) as soon as its parameters are done, its index added to done; every
+    parameter's update is the same whatever the order."""
     if not _c_eligible(opt):
         return False
     from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
+    pu = off._param_unit if off is not None else {}
+    # unit index (-1: none) -> group index -> its parameters with a gradient, in the group's order
+    work: Dict[int, Dict[int, list]] = {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g["params"]:
+            if p.grad is not None:
+                u = pu.get(id(p))
+                work.setdefault(u.index if u is not None else -1, {}).setdefault(gi, []).append(p)
+    units = {u.index: u for u in pu.values()}
     with torch.no_grad():
-        for g in opt.param_groups:
-            by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = opt.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if g["amsgrad"]:
-                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] += 1
-                lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
-                for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
-                    lst.append(t)
-            for step, (ps, gs, m1, m2, mx) in by_step.items():
-                spw_optim.adamw_step(ps, gs, m1, m2, step, lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                                     weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
-                                     maximize=g.get("maximize", False))
+        for ui in sorted(work):
+            for gi, params in work[ui].items():
+                g = opt.param_groups[gi]
+                by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
+                for p in params:
+                    st = opt.state[p]
+                    if not st:
+                        st["step"] = torch.tensor(0.)
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        if g["amsgrad"]:
+                            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["step"] += 1
+                    lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
+                    for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
+                        lst.append(t)
+                for step, (ps, gs, m1, m2, mx) in by_step.items():
+                    spw_optim.adamw_step(ps, gs, m1, m2, step, lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                         weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
+                                         maximize=g.get("maximize", False))
+            if ui >= 0 and done is not None:
+                _renew(off, units[ui])
+                done.add(ui)
     return True
