@@ -80,6 +80,10 @@ void spw__arena_forget_event(spw_arena *a, spw_event ev);
 /* Release cached memory until at least `want` bytes are released or nothing is left
  * (want == SIZE_MAX: everything). Synchronizes the streams of released blocks. */
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released);
+/* While trims are refused (allowed false), spw__arena_trim releases nothing and returns SPW_OK
+ * without waiting, so an allocation that needs one fails with SPW_ERR_OUT_OF_MEMORY instead:
+ * for work that must not make the host wait (a prefetch, a hint). */
+void spw__arena_allow_trim(spw_arena *a, bool allowed);
 /* VMM: map up to `bytes` (whole pages, within the budget) as one free block of stream s's pool,
  * where one hole can take them. Other arenas: nothing. */
 spw_status spw__arena_map_free(spw_arena *a, size_t bytes, spw_stream s);

@@ -71,6 +71,7 @@ struct spw_arena {
     int nowed;
     uint64_t *ranks;    /* arena_window.c's scratch: one rank a block */
     size_t nranks;
+    bool no_trim;       /* spw__arena_allow_trim(a, false) in force */
 };
 
 static inline size_t page_floor(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_DOWN(x, a->p.page); }

@@ -88,10 +88,13 @@ static size_t trim_gain(const spw_arena *a, const seg *s, const spw_block *b) {
     return r1 > r0 ? r1 - r0 : 0;
 }
 
+void spw__arena_allow_trim(spw_arena *a, bool allowed) { a->no_trim = !allowed; }
+
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
     size_t got = 0;
     spw_status st = SPW_OK;
     if (released) *released = 0;
+    if (a->no_trim) return SPW_OK;
     if (a->nowed && (st = spw__arena_settle(a))) return st; /* before the syncs that make blocks idle */
     bool any = false;
     for (seg *s = a->segs; s && !any; s = s->next)

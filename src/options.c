@@ -70,6 +70,10 @@ static const opt_def options[] = {
      "the acquiring call does not enqueue the next buffers' copies itself; while a step is open "
      "(spw_step_begin) the worker polls, yielding its core, instead of sleeping, and watches the "
      "uploads it enqueued, so that acquiring one it saw complete takes no driver call"},
+    {"prefetch_trim", OPT_ENUM, "on", "off|on", OFF(prefetch_trim),
+     "a prefetch may return cached device memory to make its room (a trim, which waits for the "
+     "device); off declines such a prefetch and leaves the room to the demand load (steps with "
+     "buffers of many sizes, where the trims would stall every step)"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

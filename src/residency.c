@@ -255,6 +255,11 @@ static spw_status evict_window(spw_ctx *ctx, spw_arena *a, size_t need, spw_stre
     return SPW_OK;
 }
 
+static void allow_trims(spw_ctx *ctx, bool allowed) {
+    spw__arena_allow_trim(ctx->small, allowed);
+    spw__arena_allow_trim(ctx->large, allowed);
+}
+
 /* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
  * `tried`: the caller already made (and lost) one plain attempt. Returns SPW_ERR_OUT_OF_MEMORY
  * without a message when nothing more can be evicted. */
@@ -263,6 +268,7 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
                                  int *nw) {
     if (ctx->cfg.on_exhaust == SPW_EXHAUST_FAIL) may_evict = false;
     size_t need = SPW_ALIGN_UP(bytes, 512);
+    bool hint = for_prefetch && !ctx->cfg.prefetch_trim; /* a prefetch that may not trim */
     /* A block on the H2D stream (an upload, or one for another stream: make_resident) that would
      * need a trim takes its room in one piece instead, where it can. */
     struct spw_engine *e = ctx->engine;
@@ -270,20 +276,30 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
         spw_status st = evict_window(ctx, a, need, s, incoming, for_prefetch);
         /* the run may still not serve s (a victim's block freed on its own stream): then the
          * plain path below, which trims if it must */
-        if (st == SPW_OK) st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+        if (st == SPW_OK) {
+            if (hint) allow_trims(ctx, false);
+            st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+            if (hint) allow_trims(ctx, true);
+        }
         if (st != SPW_ERR_OUT_OF_MEMORY) return st;
     }
     for (;;) {
         if (!tried && (obtainable(ctx) >= need || !may_evict)) {
+            /* prefetch_trim=off: room that only a trim would give (a wait for the device) is
+             * declined to a prefetch; the demand load, later, may trim */
+            if (hint) allow_trims(ctx, false);
             spw_status st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+            if (hint) allow_trims(ctx, true);
             if (st != SPW_ERR_OUT_OF_MEMORY) return st;
+            if (hint && obtainable(ctx) >= need) return SPW_ERR_OUT_OF_MEMORY;
         }
         tried = false;
         if (!may_evict) return SPW_ERR_OUT_OF_MEMORY;
         spw_status st = evict_next(ctx, need, incoming, for_prefetch);
         if (st == SPW_ERR_OUT_OF_MEMORY) {
-            /* nothing left to evict: one last attempt if the budget might fit after all */
-            return obtainable(ctx) >= need ? spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw)
+            /* nothing left to evict: one last attempt if the budget might fit after all (not for a
+             * prefetch that may not trim: its attempt above found no room without one) */
+            return obtainable(ctx) >= need && !hint ? spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw)
                                            : SPW_ERR_OUT_OF_MEMORY;
         }
         if (st) return st;

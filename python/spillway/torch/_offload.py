@@ -242,6 +242,10 @@ class Offload:
             # The context holds weights only: cached device memory within the budget is kept, not
             # returned on growth (returning it waits for the device; the budget is the user's).
             ctx_opts.setdefault("frag_slack", 10)
+            # Activations of many sizes beside the units: a prefetch that would wait on a trim
+            # for its room is declined (the trims stalled every training step).
+            if activations:
+                ctx_opts.setdefault("prefetch_trim", "off")
             page = _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
         # The device arena maps memory in pages: a unit occupies at least its size rounded up.
         # A forward holds a module's units with those of the hooked modules around it, each in
