@@ -255,9 +255,18 @@ static spw_status evict_window(spw_ctx *ctx, spw_arena *a, size_t need, spw_stre
     return SPW_OK;
 }
 
-static void allow_trims(spw_ctx *ctx, bool allowed) {
-    spw__arena_allow_trim(ctx->small, allowed);
-    spw__arena_allow_trim(ctx->large, allowed);
+/* spw__ctx_alloc_block_ordered, with trims refused in both arenas while it runs when `hint` (a
+ * prefetch under prefetch_trim=off: room that only a trim, a wait for the device, would give is
+ * declined; the demand load, later, may trim). */
+static spw_status alloc_block(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
+                              spw_arena_wait *w, int *nw, bool hint) {
+    if (!hint) return spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+    spw__arena_allow_trim(ctx->small, false);
+    spw__arena_allow_trim(ctx->large, false);
+    spw_status st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
+    spw__arena_allow_trim(ctx->small, true);
+    spw__arena_allow_trim(ctx->large, true);
+    return st;
 }
 
 /* Allocate `bytes` from arena a for stream s, evicting through the policy when allowed.
@@ -276,20 +285,12 @@ static spw_status alloc_evicting(spw_ctx *ctx, spw_arena *a, size_t bytes, spw_s
         spw_status st = evict_window(ctx, a, need, s, incoming, for_prefetch);
         /* the run may still not serve s (a victim's block freed on its own stream): then the
          * plain path below, which trims if it must */
-        if (st == SPW_OK) {
-            if (hint) allow_trims(ctx, false);
-            st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
-            if (hint) allow_trims(ctx, true);
-        }
+        if (st == SPW_OK) st = alloc_block(ctx, a, bytes, s, out, w, nw, hint);
         if (st != SPW_ERR_OUT_OF_MEMORY) return st;
     }
     for (;;) {
         if (!tried && (obtainable(ctx) >= need || !may_evict)) {
-            /* prefetch_trim=off: room that only a trim would give (a wait for the device) is
-             * declined to a prefetch; the demand load, later, may trim */
-            if (hint) allow_trims(ctx, false);
-            spw_status st = spw__ctx_alloc_block_ordered(ctx, a, bytes, s, out, w, nw);
-            if (hint) allow_trims(ctx, true);
+            spw_status st = alloc_block(ctx, a, bytes, s, out, w, nw, hint);
             if (st != SPW_ERR_OUT_OF_MEMORY) return st;
             if (hint && obtainable(ctx) >= need) return SPW_ERR_OUT_OF_MEMORY;
         }

@@ -53,13 +53,12 @@ class GradLanding:
     One host wait a backward, not one a parameter. Hooks registered on the host Parameters do
     not run (autograd never accumulates into them)."""
 
-    __slots__ = ("pending", "queued", "stream", "landed_bytes")
+    __slots__ = ("pending", "queued", "stream")
 
     def __init__(self, device: torch.device) -> None:
         self.pending: list = []  # (host Parameter, host tensor), in the order backward made them
         self.queued = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.landed_bytes = 0
 
     def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.device == host.device:  # emu: the device tensors are host memory already; a copy of
@@ -96,7 +95,6 @@ class GradLanding:
                 sums[id(p)] = [p, h]
             else:
                 e[1] = e[1] + h
-            self.landed_bytes += h.numel() * h.element_size()
         with torch.no_grad():
             for p, h in sums.values():
                 if p.grad is None:
