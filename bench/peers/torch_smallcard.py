@@ -38,6 +38,10 @@ Columns
                   the process (`spillway run --report`, at its exit)
   moved MiB/fwd   bytes uploaded per forward over the 64-token generate
   hook us         the Offload's median host time per acquire (hook_stats()["hook_us_median"])
+Each variant also drives --trace-steps decode steps by hand, fed resident's tokens, and records
+per step the logits and every layer's hidden state at the new position: the table says at which
+step and layer a variant first differs from resident (and resident from a second run of its
+own), and by how much.
 An out-of-memory error (torch's; spillway's is one) ends its variant, which reports it with the
 phase it happened in. Timing starts after one untimed 64-token generate (the plan policy learns
 its step in the first few forwards); --repeats timed calls of each kind, the median. Every
@@ -162,6 +166,54 @@ def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new:
     return out[:, ids.shape[1]:]
 
 
+def last_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The logits at the prompt's last position of one forward over the prompt, on the host."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    return out.logits[:, -1].cpu()
+
+
+def decode_trace(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+                 steps: int) -> Dict[str, torch.Tensor]:
+    """The decode with the KV cache driven by hand and fed `tokens` (the reference's, so that
+    every variant computes the same steps whatever it would pick): per step the last position's
+    logits and every layer's hidden state there, on the host. Where a variant's generate() parts
+    from resident's, this says at which step and layer the numbers first differ, and by how much:
+    an ulp at one layer is a kernel choice; a large difference, a wrong or torn weight."""
+    logits, hidden = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1].cpu())
+        past = out.past_key_values
+        for s in range(steps):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            out = model(input_ids=tokens[:, s:s + 1].to(ids.device), attention_mask=mask, past_key_values=past,
+                        use_cache=True, output_hidden_states=True, logits_to_keep=1)
+            past = out.past_key_values
+            logits.append(out.logits[:, -1].cpu())
+            hidden.append(torch.stack([h[:, -1] for h in out.hidden_states]).cpu())
+    return dict(logits=torch.stack(logits), hidden=torch.stack(hidden))
+
+
+def trace_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """Where two decode_trace()s first differ: (step, logits' largest difference there) and, for
+    a decode step, the first hidden state (0: the embeddings, i: layer i's output) that differs
+    and its largest difference; {} when equal."""
+    for s in range(want["logits"].shape[0]):
+        a, b = got["logits"][s], want["logits"][s]
+        if torch.equal(a, b):
+            continue
+        r: Dict[str, Any] = dict(trace_step=s, trace_logits_diff=float((a.float() - b.float()).abs().max()))
+        if s > 0:
+            for i, (x, y) in enumerate(zip(got["hidden"][s - 1], want["hidden"][s - 1])):
+                if not torch.equal(x, y):
+                    r.update(trace_layer=i, trace_hidden_diff=float((x.float() - y.float()).abs().max()),
+                             trace_hidden_scale=float(y.float().abs().max()))
+                    break
+        return r
+    return {}
+
+
 def uploaded(off: Optional[Any]) -> Tuple[int, int]:
     """(bytes uploaded, forwards) so far by an Offload; (0, 0) for the resident model."""
     if off is None:
@@ -214,6 +266,7 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
         # ids from 3 up: 0, 1 and 2 are the special tokens of LlamaConfig's defaults
         ids = torch.randint(3, model.config.vocab_size, (shape["batch"], shape["prompt"]),
                             generator=torch.Generator().manual_seed(0))
+        ref = torch.load(args.ref) if variant != "resident" and args.ref and os.path.exists(args.ref) else None
         phase = "placement"
         t = time.perf_counter()
         with placed(variant, model, weight_budget(args.weight_budget)) as off:
@@ -228,6 +281,7 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
                     f"({r['budget_source']}), loaded in {r['load_s']:.1f} s, offloaded in {r['place_s']:.1f} s")
             phase = "warm-up"
             generate(model, ids, mask, new)
+            logits = last_logits(model, ids, mask)
             phase = "prefill"
             pre = timed(model, off, ids, mask, 1, args.repeats)
             phase = "generate"
@@ -236,6 +290,14 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
                      moved_per_forward=full["moved"], moved_per_prefill=pre["moved"])
             if full["s"] > pre["s"]:
                 r["decode_tok_s"] = shape["batch"] * (new - 1) / (full["s"] - pre["s"])
+            phase = "trace"
+            steps = min(args.trace_steps, new - 1)
+            trace = None
+            if steps > 0:
+                forced = full["tokens"] if ref is None else ref["tokens"]
+                trace = decode_trace(model, ids, mask, forced, steps)
+                if variant == "resident":  # the reference against itself: deterministic in-process?
+                    r["trace_self"] = trace_diff(decode_trace(model, ids, mask, forced, steps), trace)
             torch_peak = torch.cuda.max_memory_reserved()
             st = off.stats() if off is not None else None
             held_peak = st["held"]["peak"] if st is not None else 0
@@ -247,10 +309,16 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
                 print(off.summary(), file=sys.stderr)
         tokens = full["tokens"]
         if variant == "resident" and args.ref:
-            torch.save(tokens, args.ref)
-        elif args.ref and os.path.exists(args.ref):
-            want = torch.load(args.ref)
+            torch.save(dict(tokens=tokens, logits=logits, trace=trace), args.ref)
+        elif ref is not None:
+            want = ref["tokens"]
+            if trace is not None and ref.get("trace") is not None:
+                r["trace"] = trace_diff(trace, ref["trace"])
             r["equal"] = bool(torch.equal(tokens, want))
+            # the prompt's forward alone: unequal logits there are a weight or a kernel that
+            # differs, not a near tie amplified over the decode
+            r["logits_equal"] = bool(torch.equal(logits, ref["logits"]))
+            r["logits_max_diff"] = float((logits.float() - ref["logits"].float()).abs().max())
             if not r["equal"] and tokens.shape == want.shape:
                 # where they part: a near tie of two logits flips late and takes the rest with it;
                 # a wrong weight parts at the first token
@@ -315,6 +383,20 @@ def print_table(rows: List[Dict[str, Any]], budget: str, shape: Dict[str, int], 
               f"{r['prefill_ms']:>11.1f}{r['generate_s']:>11.3f}{fmt(r.get('decode_tok_s'), '.1f'):>13}{tokens:>11}"
               f"{fmt(r['device_peak'], '.2f', GiB):>9}{fmt(r.get('cap_peak'), '.2f', GiB):>13}"
               f"{fmt(r.get('moved_per_forward'), '.0f', MiB):>14}{fmt(r.get('hook_us_median'), '.1f'):>8}")
+        if r.get("logits_equal") is not None:
+            print(f"{'':<18}the prompt's last logits {'bitwise equal to' if r['logits_equal'] else 'differ from'} "
+                  f"resident's (largest difference {r['logits_max_diff']:.3g})")
+        for key, whose in (("trace_self", "resident's second run"), ("trace", "resident's")):
+            d = r.get(key)
+            if d is None:
+                continue
+            if not d:
+                print(f"{'':<18}decode trace (fed the reference tokens): bitwise equal to {whose}")
+                continue
+            where = (f"; first at hidden state {d['trace_layer']} (0: embeddings), largest difference "
+                     f"{d['trace_hidden_diff']:.3g} of {d['trace_hidden_scale']:.3g}") if "trace_layer" in d else ""
+            print(f"{'':<18}decode trace (fed the reference tokens) parts from {whose} at step {d['trace_step']}: "
+                  f"logits differ by up to {d['trace_logits_diff']:.3g}{where}")
         if r.get("differ_tokens"):
             print(f"{'':<18}{r['differ_tokens']} tokens differ; each sequence's first differing position "
                   f"(of {r.get('tokens_len', '?')}): {r['first_differ']}")
@@ -344,6 +426,8 @@ def main() -> int:
                         "by default the one its twin resolved")
     p.add_argument("--repeats", type=int, default=1, help="timed generate() calls of each kind (the median)")
     p.add_argument("--child-timeout", type=float, default=480, help="seconds per variant process")
+    p.add_argument("--trace-steps", type=int, default=16,
+                   help="decode steps of the per-layer trace compared with resident's (0: none)")
     p.add_argument("--json", help="write the rows and ratios to this file")
     p.add_argument("--smoke", action="store_true", help="an 8 MiB Llama, 8 new tokens, a 1 GiB cap: control flow")
     p.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -389,7 +473,7 @@ def main() -> int:
 
     # The reference tokens live beside the weights, so that a run without resident (the
     # variants split over several runs) compares with the last resident run's.
-    ref = ckpt / "resident_tokens.pt"
+    ref = ckpt / "resident_reference.pt"
     if "resident" in variants:
         ref.unlink(missing_ok=True)
     elif ref.exists():
@@ -397,7 +481,8 @@ def main() -> int:
     rows: List[Dict[str, Any]] = []
     resolved: Dict[str, int] = {}  # capped variant -> the spillway budget it resolved
     for v in variants:
-        argv = me + ["--one", v, "--ckpt", str(ckpt), "--ref", str(ref), "--repeats", str(args.repeats)]
+        argv = me + ["--one", v, "--ckpt", str(ckpt), "--ref", str(ref), "--repeats", str(args.repeats),
+                     "--trace-steps", str(args.trace_steps)]
         if v in TWIN:
             wb = resolved.get(TWIN[v]) or args.weight_budget
             if wb is None:

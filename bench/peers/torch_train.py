@@ -7,7 +7,7 @@ The model (--model)
            32000): fp32 parameters (4.1 GiB), every one trained
   3b       hidden 3072, intermediate 8192, 28 layers, 24 heads, 8 kv heads, vocab 32000 (11.3 GiB)
   lora13b  hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 kv heads, vocab 32000: bf16
-           base weights, frozen (24.2 GiB), peft LoRA r=16 (alpha 32) on q, k, v and o, fp32,
+           base weights, frozen (13.5 GiB), peft LoRA r=16 (alpha 32) on q, k, v and o, fp32,
            trained (needs peft; without it the run says so and exits 0)
   tiny     hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab 256, batch 2 x 32
            (--smoke's model): the control flow on a GPU
