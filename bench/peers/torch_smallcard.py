@@ -46,7 +46,8 @@ An out-of-memory error (torch's; spillway's is one) ends its variant, which repo
 phase it happened in. Timing starts after one untimed 64-token generate (the plan policy learns
 its step in the first few forwards); --repeats timed calls of each kind, the median. Every
 process runs deterministic kernels (torch.use_deterministic_algorithms,
-CUBLAS_WORKSPACE_CONFIG=:4096:8) so that tokens compare exactly.
+CUBLAS_WORKSPACE_CONFIG=:4096:8, and SDPA without cuDNN's attention, which deterministic mode
+does not cover) so that tokens compare exactly.
 
 The acceptance ratios are decode tok/s of capped-alloc over uncapped-alloc and of capped-offload
 over uncapped-offload, what the cap itself costs at the same budgets; the target is >= 0.9.
@@ -133,6 +134,15 @@ def build_checkpoint(ckpt: Path, shape: Dict[str, int]) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # the child: one variant
+
+
+def no_cudnn_attention() -> contextlib.AbstractContextManager:
+    """SDPA restricted to its flash, memory-efficient and math kernels (in torch's order)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch before 2.3 has no cuDNN attention to leave out
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def weight_budget(text: Optional[str]) -> Union[int, str, None]:
@@ -251,11 +261,15 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
     variant = args.one
     r: Dict[str, Any] = dict(variant=variant, capped=variant.startswith("capped"), oom=False)
     phase = "load"
+    stack = contextlib.ExitStack()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # Deterministic mode would also fill each new tensor with NaN; no result reads memory
         # before writing it, and a user's run does not pay for the fills.
         torch.utils.deterministic.fill_uninitialized_memory = False
+        # cuDNN's attention, which torch may pick for SDPA, is not covered by deterministic mode
+        # and decodes differently twice in a row (bench/dev/decode_determinism.py): left out
+        stack.enter_context(no_cudnn_attention())
         import transformers
 
         r.update(torch=torch.__version__, transformers=transformers.__version__)
@@ -330,6 +344,8 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
         r.update(failed=phase, oom=is_oom(e), error=f"{type(e).__name__}: {str(e).strip()[:600]}")
         print(RESULT + json.dumps(r), flush=True)
         return 3 if r["oom"] else 1
+    finally:
+        stack.close()
     print(RESULT + json.dumps(r), flush=True)
     return 0
 

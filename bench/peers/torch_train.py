@@ -45,6 +45,8 @@ Variants, one process each (this file with --child)
                    host), spillway.torch.offload(model, budget=B, optimizer=opt); the loop is
                    unchanged: autocast forward, loss.backward(), opt.step(), opt.zero_grad()
   spillway-c       the same with host_update="spillway": opt's steps in spillway's C AdamW
+  spillway-c-ckpt  spillway-c with activation checkpointing (as the checkpointing variant): the
+                   blocks' activations recomputed in the backward instead of streamed
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
                    optimizer=opt) without a budget: one budget over everything on the device
 Each spillway variant runs once per --budget; the peers run uncapped and say which budgets
@@ -113,7 +115,7 @@ if (ROOT / "python" / "spillway").is_dir():
     sys.path.insert(0, str(ROOT / "python"))
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
-            "spillway", "spillway-c", "spillway-alloc"]
+            "spillway", "spillway-c", "spillway-c-ckpt", "spillway-alloc"]
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -474,7 +476,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                  trained_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
         trained = [p for p in model.parameters() if p.requires_grad]
         phase[0] = "placement"
-        if name in ("checkpointing", "fsdp-offload-ckpt"):
+        if name in ("checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         off, host, note = None, None, ""
         if name.startswith("fsdp"):
@@ -489,7 +491,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         elif spw:
             opt = adamw(trained, "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
-            kw["host_update"] = "spillway" if name == "spillway-c" else "torch"
+            kw["host_update"] = "spillway" if name in ("spillway-c", "spillway-c-ckpt") else "torch"
             if name != "spillway-alloc":
                 kw["budget"] = budget
             off = spt.offload(model, optimizer=opt, **kw)
@@ -609,7 +611,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             h2d, d2h = moved1[0] - moved0[0], moved1[1] - moved0[1]
             r.update(moved_h2d=h2d / n, moved_d2h=d2h / n, moved=(h2d + d2h) / n)
             print(off.summary(), file=sys.stderr)
-            if name == "spillway-c" and off.c_steps != args.steps:
+            if name in ("spillway-c", "spillway-c-ckpt") and off.c_steps != args.steps:
                 r["note"] += f"; only {off.c_steps} of {args.steps} steps ran in C"
             off.remove()
         else:
