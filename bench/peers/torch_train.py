@@ -116,6 +116,8 @@ if (ROOT / "python" / "spillway").is_dir():
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
             "spillway", "spillway-c", "spillway-c-ckpt", "spillway-alloc"]
+CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt"}  # gradient_checkpointing_enable
+C_STEP = {"spillway-c", "spillway-c-ckpt"}  # host_update="spillway"
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -476,7 +478,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                  trained_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
         trained = [p for p in model.parameters() if p.requires_grad]
         phase[0] = "placement"
-        if name in ("checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt"):
+        if name in CHECKPOINTED:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         off, host, note = None, None, ""
         if name.startswith("fsdp"):
@@ -491,7 +493,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         elif spw:
             opt = adamw(trained, "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
-            kw["host_update"] = "spillway" if name in ("spillway-c", "spillway-c-ckpt") else "torch"
+            kw["host_update"] = "spillway" if name in C_STEP else "torch"
             if name != "spillway-alloc":
                 kw["budget"] = budget
             off = spt.offload(model, optimizer=opt, **kw)
@@ -611,7 +613,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             h2d, d2h = moved1[0] - moved0[0], moved1[1] - moved0[1]
             r.update(moved_h2d=h2d / n, moved_d2h=d2h / n, moved=(h2d + d2h) / n)
             print(off.summary(), file=sys.stderr)
-            if name in ("spillway-c", "spillway-c-ckpt") and off.c_steps != args.steps:
+            if name in C_STEP and off.c_steps != args.steps:
                 r["note"] += f"; only {off.c_steps} of {args.steps} steps ran in C"
             off.remove()
         else:
