@@ -83,9 +83,13 @@ def profile(fn, steps=2):
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-    kern, h2d, syncs = [], [], {}
+    kern, h2d, syncs, api = [], [], {}, {}
     for e in p.events():
         name = e.name
+        if e.device_type != torch.autograd.DeviceType.CUDA and name.startswith("cu"):
+            d = api.setdefault(name, [0, 0.0])
+            d[0] += 1
+            d[1] += (e.time_range.end - e.time_range.start) / 1e3
         if e.device_type == torch.autograd.DeviceType.CUDA:
             iv = (e.time_range.start / 1e3, e.time_range.end / 1e3)
             (h2d if "HtoD" in name else kern if "Memcpy" not in name and "Memset" not in name else []).append(iv)
@@ -95,12 +99,23 @@ def profile(fn, steps=2):
             d[1] += (e.time_range.end - e.time_range.start) / 1e3
     return {"wall_ms": wall / steps, "kernels_busy_ms": union(kern) / steps, "h2d_busy_ms": union(h2d) / steps,
             "kernels": len(kern) // steps, "h2d_copies": len(h2d) // steps,
-            "host_syncs": {k: (v[0] / steps, v[1] / steps) for k, v in syncs.items()}}
+            "host_syncs": {k: (v[0] / steps, v[1] / steps) for k, v in syncs.items()},
+            "driver_calls": sorted(((k, v[0] / steps, v[1] / steps) for k, v in api.items()), key=lambda x: -x[2])}
 
 
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] / 1e3 if xs else 0.0
+
+
+def hist_q(hist, q):
+    """The bucket (us) holding quantile q of a histogram of 1-us buckets."""
+    total, seen = sum(hist), 0
+    for i, n in enumerate(hist):
+        seen += n
+        if total and seen >= q * total:
+            return i
+    return 0
 
 
 def run(case, policy, warm):
@@ -118,8 +133,10 @@ def run(case, policy, warm):
         h = spt.offload(model, budget=budget, policy=policy)
         timed(step, warm)
         c0 = counters(h)
+        hist0 = list(h._hook_hist)
         ts = timed(step, 5)
         c1 = counters(h)
+        steady = [b - a for a, b in zip(hist0, h._hook_hist)]
         calls = wrap_calls(h)
         timed(step, 3)
         pr = profile(step)
@@ -131,13 +148,18 @@ def run(case, policy, warm):
                                    else f"{k} {v / 2**20:.0f} MiB" for k, v in d.items() if k != "hook_ns")
           + f", hook us/acquire mean {d['hook_ns'] / max(d['acquires'], 1) / 1e3:.1f}, "
           f"median (whole run) {h.hook_stats()['hook_us_median']:.1f}")
+    print("hook us/acquire in the steady steps (1-us buckets): " + ", ".join(
+        f"p{int(q * 100)} {hist_q(steady, q)}" for q in (0.1, 0.25, 0.5, 0.75, 0.9)))
     for k, v in calls.items():
         if v:
             print(f"  C {k}: {len(v) / 3:.0f}/step, p50 {pct(v, .5):.1f} us, p90 {pct(v, .9):.1f}, max {pct(v, 1):.1f}, "
                   f"sum {sum(v) / 3e6:.2f} ms/step")
     print(f"profile: wall {pr['wall_ms']:.1f} ms/step, kernels busy {pr['kernels_busy_ms']:.1f}, uploads busy "
           f"{pr['h2d_busy_ms']:.1f} ({pr['h2d_copies']} copies), kernels {pr['kernels']}, host syncs {pr['host_syncs']}")
+    print("driver and runtime calls a step (count, ms): " + ", ".join(
+        f"{k} {n:.0f} {ms:.2f}" for k, n, ms in pr["driver_calls"][:12]))
     print("\n".join(h.summary().splitlines()[:14]))
+    print(next((ln.strip() for ln in h.context.summary().splitlines() if "policy plan" in ln), "(no plan line)"))
     h.remove()
     del model, h
     torch.cuda.empty_cache()

@@ -71,6 +71,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--budgets", default="all,tight", help='"" for only the direct calls and the pieces')
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--passes", type=int, help="timed passes (default 200 on emu, 50 on cuda)")
+    ap.add_argument("--alloc", choices=("all", "tight"),
+                    help="--cuda: under use_allocator(budget=that budget + 64 MiB), the weights in its context "
+                         "(SPILLWAY_CONF reaches it); the model is made and referenced a layer at a time")
     a = ap.parse_args()
     a.dim = a.dim or (8192 if a.cuda else 512)
     a.passes = a.passes or (50 if a.cuda else 200)
@@ -79,6 +82,7 @@ def parse() -> argparse.Namespace:
 
 
 def build(a: argparse.Namespace) -> nn.Sequential:
+    """The model on the device (on the host under --alloc: made on the device a layer at a time)."""
     dev = "cuda" if a.cuda else "cpu"
     dtype = torch.bfloat16 if a.cuda else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
@@ -87,7 +91,7 @@ def build(a: argparse.Namespace) -> nn.Sequential:
         lin = nn.utils.skip_init(nn.Linear, a.dim, a.dim, bias=a.bias, device=dev, dtype=dtype)
         for p in lin.parameters():
             p.data.normal_(0, a.dim ** -0.5, generator=g)
-        layers.append(lin)
+        layers.append(lin.cpu() if a.alloc else lin)
     return nn.Sequential(*layers).requires_grad_(False)
 
 
@@ -354,21 +358,32 @@ def main() -> None:
     torch.manual_seed(0)
     if not a.cuda:
         torch.set_num_threads(1)
-    model = build(a)
-    dev = "cuda" if a.cuda else "cpu"
-    x = torch.randn(a.batch, a.dim, device=dev, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        for _ in range(a.warmup):
-            ref = model(x)
-        res_ms, ref = timed_passes(a, model, x, a.passes)
-    block = sum(p.numel() * p.element_size() for p in model[0].parameters())
-    whole = block * a.layers
+    if a.alloc and not a.cuda:
+        raise SystemExit("hook_cost: --alloc needs --cuda")
     # "all" leaves room for the arena's rounding; "tight" holds a quarter (emu) or half (cuda) of the
     # blocks, never less than the device arena's 2 MiB page offload() requires
+    block = a.dim * a.dim * (2 if a.cuda else 4) + (a.dim * (2 if a.cuda else 4) if a.bias else 0)
+    whole = block * a.layers
     page = _offload._ARENA_PAGE
     a.all_budget = whole + whole // 8 + 2 * page
     budgets = {"all": a.all_budget,
                "tight": max(whole // 2 if a.cuda else whole // 4, -(-block // page) * page)}
+    if a.alloc:
+        spt.use_allocator(budget=budgets[a.alloc] + 64 * MIB)
+    model = build(a)
+    assert block == sum(p.numel() * p.element_size() for p in model[0].parameters())
+    dev = "cuda" if a.cuda else "cpu"
+    x = torch.randn(a.batch, a.dim, device=dev, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        if a.alloc:  # the same kernels a layer at a time: the resident model's output, bitwise
+            res_ms, ref = float("nan"), x
+            for lin in model:
+                ref = lin.cuda()(ref)
+                lin.cpu()
+        else:
+            for _ in range(a.warmup):
+                ref = model(x)
+            res_ms, ref = timed_passes(a, model, x, a.passes)
     print(f"hook_cost: {'cuda' if a.cuda else 'emu'}, {a.layers} x Linear({a.dim}, {a.dim}, bias={a.bias}) "
           f"{next(model.parameters()).dtype}, batch {a.batch}, {a.passes} passes; "
           f"resident pass {res_ms:.3f} ms; torch {torch.__version__}")
@@ -379,7 +394,7 @@ def main() -> None:
            f"{'moved/pass':>10}")
     for policy in a.policy.split(",") if a.budgets else ():
         print(hdr)
-        for bname in a.budgets.split(","):
+        for bname in [a.alloc] if a.alloc else a.budgets.split(","):
             budget = budgets[bname]
             plain = run_one(a, model, x, ref, budget, policy, _offload._lib_c)
             t = run_one(a, model, x, ref, budget, policy, Timers(_offload._lib_c), wc)
@@ -394,6 +409,8 @@ def main() -> None:
                 ns = run_one(a, model, x, ref, budget, policy, NoSync(_offload._lib_c))
                 print(f"  {'  no emu sync':<16} {policy:<6} {ns['hook_ns'] / 1e3:9.2f}us "
                       f"{'':>9} {'':>12} {(ns['ms'] - res_ms) * 1e3 / a.layers:8.2f}us")
+    if a.alloc:
+        return
     n = 2000 if a.cuda else 20000
     d_sync, _ = direct(a, model, x, ref, _offload._lib_c, n)
     _, c_t = direct(a, model, x, ref, Timers(_offload._lib_c), n)
