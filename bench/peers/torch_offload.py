@@ -1117,6 +1117,10 @@ def main():
     if args.child:
         if not args.nondeterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+            # cuDNN's attention, which torch may pick for SDPA, is not covered by deterministic
+            # mode and decodes differently twice in a row (bench/dev/decode_determinism.py)
+            if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+                torch.backends.cuda.enable_cudnn_sdp(False)
         wl = workloads[0]
         cfg.budget_str = budgets[0 if wl == "a" else 1]
         cfg.budget = parse_size(cfg.budget_str)
