@@ -84,19 +84,22 @@ def profile(fn, steps=2):
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     kern, h2d, syncs, api = [], [], {}, {}
+
+    def tally(per_name, e):  # [count, ms] per host-side event name
+        d = per_name.setdefault(e.name, [0, 0.0])
+        d[0] += 1
+        d[1] += (e.time_range.end - e.time_range.start) / 1e3
+
     for e in p.events():
         name = e.name
-        if e.device_type != torch.autograd.DeviceType.CUDA and name.startswith("cu"):
-            d = api.setdefault(name, [0, 0.0])
-            d[0] += 1
-            d[1] += (e.time_range.end - e.time_range.start) / 1e3
         if e.device_type == torch.autograd.DeviceType.CUDA:
             iv = (e.time_range.start / 1e3, e.time_range.end / 1e3)
             (h2d if "HtoD" in name else kern if "Memcpy" not in name and "Memset" not in name else []).append(iv)
-        elif "ynchronize" in name or "Sync" in name:
-            d = syncs.setdefault(name, [0, 0.0])
-            d[0] += 1
-            d[1] += (e.time_range.end - e.time_range.start) / 1e3
+            continue
+        if name.startswith("cu"):
+            tally(api, e)
+        if "ynchronize" in name or "Sync" in name:
+            tally(syncs, e)
     return {"wall_ms": wall / steps, "kernels_busy_ms": union(kern) / steps, "h2d_busy_ms": union(h2d) / steps,
             "kernels": len(kern) // steps, "h2d_copies": len(h2d) // steps,
             "host_syncs": {k: (v[0] / steps, v[1] / steps) for k, v in syncs.items()},

@@ -81,10 +81,14 @@ def parse() -> argparse.Namespace:
     return a
 
 
+def model_dtype(a: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if a.cuda else torch.float32
+
+
 def build(a: argparse.Namespace) -> nn.Sequential:
     """The model on the device (on the host under --alloc: made on the device a layer at a time)."""
     dev = "cuda" if a.cuda else "cpu"
-    dtype = torch.bfloat16 if a.cuda else torch.float32
+    dtype = model_dtype(a)
     g = torch.Generator(device=dev).manual_seed(0)
     layers = []
     for _ in range(a.layers):
@@ -362,7 +366,8 @@ def main() -> None:
         raise SystemExit("hook_cost: --alloc needs --cuda")
     # "all" leaves room for the arena's rounding; "tight" holds a quarter (emu) or half (cuda) of the
     # blocks, never less than the device arena's 2 MiB page offload() requires
-    block = a.dim * a.dim * (2 if a.cuda else 4) + (a.dim * (2 if a.cuda else 4) if a.bias else 0)
+    # known before the model exists: under --alloc, use_allocator comes before any CUDA allocation
+    block = (a.dim * a.dim + (a.dim if a.bias else 0)) * torch.empty(0, dtype=model_dtype(a)).element_size()
     whole = block * a.layers
     page = _offload._ARENA_PAGE
     a.all_budget = whole + whole // 8 + 2 * page

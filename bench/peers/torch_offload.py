@@ -95,6 +95,14 @@ def log(msg):
     print(f"[{time.time() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def leave_out_cudnn_attention():
+    """SDPA without cuDNN's attention for the rest of the process: torch may pick that kernel,
+    which deterministic mode does not cover and which decodes differently twice in a row
+    (bench/dev/decode_determinism.py); torch before 2.3 has no such kernel to leave out."""
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def parse_size(text):
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
@@ -1117,10 +1125,7 @@ def main():
     if args.child:
         if not args.nondeterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-            # cuDNN's attention, which torch may pick for SDPA, is not covered by deterministic
-            # mode and decodes differently twice in a row (bench/dev/decode_determinism.py)
-            if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
-                torch.backends.cuda.enable_cudnn_sdp(False)
+            leave_out_cudnn_attention()
         wl = workloads[0]
         cfg.budget_str = budgets[0 if wl == "a" else 1]
         cfg.budget = parse_size(cfg.budget_str)

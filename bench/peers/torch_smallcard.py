@@ -136,15 +136,6 @@ def build_checkpoint(ckpt: Path, shape: Dict[str, int]) -> None:
 # the child: one variant
 
 
-def no_cudnn_attention() -> contextlib.AbstractContextManager:
-    """SDPA restricted to its flash, memory-efficient and math kernels (in torch's order)."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # torch before 2.3 has no cuDNN attention to leave out
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def weight_budget(text: Optional[str]) -> Union[int, str, None]:
     """--weight-budget as offload() and use_allocator() take it: bytes, or a size string."""
     if text is None:
@@ -267,9 +258,7 @@ def child(args: argparse.Namespace, shape: Dict[str, int], new: int) -> int:
         # Deterministic mode would also fill each new tensor with NaN; no result reads memory
         # before writing it, and a user's run does not pay for the fills.
         torch.utils.deterministic.fill_uninitialized_memory = False
-        # cuDNN's attention, which torch may pick for SDPA, is not covered by deterministic mode
-        # and decodes differently twice in a row (bench/dev/decode_determinism.py): left out
-        stack.enter_context(no_cudnn_attention())
+        torch_offload.leave_out_cudnn_attention()
         import transformers
 
         r.update(torch=torch.__version__, transformers=transformers.__version__)
