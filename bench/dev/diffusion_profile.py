@@ -7,6 +7,9 @@ uploads' time on the copy engine.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS/src \\
         python3 bench/dev/diffusion_profile.py --cases sd15:0.40,sdxl:0.35,sdxl:8589934592
+
+--unit-max BYTES caps the partition's largest unit (an experiment on the unit size: the plan's
+prefetch room is sized by the largest streamed unit, and every byte of it is a byte less kept).
 """
 from __future__ import annotations
 
@@ -159,8 +162,9 @@ def run(case, policy, warm):
                   f"sum {sum(v) / 3e6:.2f} ms/step")
     print(f"profile: wall {pr['wall_ms']:.1f} ms/step, kernels busy {pr['kernels_busy_ms']:.1f}, uploads busy "
           f"{pr['h2d_busy_ms']:.1f} ({pr['h2d_copies']} copies), kernels {pr['kernels']}, host syncs {pr['host_syncs']}")
-    print("driver and runtime calls a step (count, ms): " + ", ".join(
-        f"{k} {n:.0f} {ms:.2f}" for k, n, ms in pr["driver_calls"][:12]))
+    for who, p in (("offloaded", pr), ("resident", res_prof)):
+        print(f"driver and runtime calls a step, {who} (count, ms): " + ", ".join(
+            f"{k} {n:.0f} {ms:.2f}" for k, n, ms in p["driver_calls"][:12]))
     print("\n".join(h.summary().splitlines()[:14]))
     print(next((ln.strip() for ln in h.context.summary().splitlines() if "policy plan" in ln), "(no plan line)"))
     h.remove()
@@ -173,7 +177,12 @@ def main():
     ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,sdxl:8589934592,flux:8589934592")
     ap.add_argument("--policy", default="plan")
     ap.add_argument("--warm", type=int, default=25)
+    ap.add_argument("--unit-max", type=int, default=0, help="cap on the partition's largest unit, bytes")
     args = ap.parse_args()
+    if args.unit_max:
+        from spillway.torch import _partition
+        bounds = _partition.bounds
+        _partition.bounds = lambda budget, streamed=0: tuple(min(x, args.unit_max) for x in bounds(budget, streamed))
     torch.backends.cuda.matmul.allow_tf32 = False
     for case in args.cases.split(","):
         run(case, args.policy, args.warm)

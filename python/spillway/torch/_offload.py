@@ -75,7 +75,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import functools
 import operator
 import time
 import weakref
@@ -85,16 +84,14 @@ import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context, budget_bytes, format_size, parse_budget, parse_size
-from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from ..core import Context
+from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _partition, _report, _train
-from ._device import (_ARENA_PAGE, _PAGE, _SMALL_LIMIT, _arena_page, _device_memory, _large_page, _reserve,
-                      _resolve_device)
-from ._errors import OutOfMemoryError, _needs_grad
+from . import _alloc, _patch, _report, _setup, _train, _views
+from ._device import _ARENA_PAGE, _resolve_device, resolve_budget
+from ._errors import OutOfMemoryError
 from ._saved import saving
-from ._units import (_DevSet, _Unit, _align, _columns, _held_together, _module_names, _param_owners,
-                     _plan_units, _storage_at)
+from ._units import _DevSet, _Unit, _columns, _param_owners, _storage_at
 
 _lib_c = _lib.lib
 _READ = _lib.ACCESS_READ
@@ -118,17 +115,6 @@ _HIST_LAST = _HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
 
 
-# Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
-# neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
-_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def _active(module: nn.Module) -> bool:
-    ref = _ACTIVE.get(module)
-    off = ref() if ref is not None else None
-    return off is not None and not off._closed
-
-
 def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
     """The forward of a deep copy of an offloaded module: its class's, on the copy's own tensors
     (copies of the host views), with nothing acquired."""
@@ -149,127 +135,33 @@ class Offload:
                activations: bool = False, host_update: str = "spillway") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
-        if not isinstance(module, nn.Module):
-            raise InvalidArgument(f"offload: expected a torch.nn.Module, got {type(module).__name__}")
-        if _active(module):
-            raise StateError("offload: this module is already offloaded; call .remove() on its Offload first")
-        for m in module.modules():
-            if m is not module and _active(m):
-                raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
-        budget_v = None if budget is None else parse_budget(budget, "offload")
-
+        _setup.check_new(module)
         backend, dev = _resolve_device(options.pop("backend", "auto"), device)
         self.module = module
         self.device = dev
         self.backend = backend
 
         # ---- what is offloaded ----
-        params = list(module.parameters())
-        if not params:
-            raise InvalidArgument(f"offload: {type(module).__name__} has no parameters")
-        for t in params + list(module.buffers()):
-            if t.device.type == "meta":
-                raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
-        names = _module_names(module)
-        if blocks is not None:
-            for b in blocks:
-                if not isinstance(b, nn.Module):
-                    raise InvalidArgument(f"offload: blocks must be modules, got {type(b).__name__}")
-                if id(b) not in names:
-                    raise InvalidArgument(f"offload: block {type(b).__name__} is not a submodule of the module")
-            if len({id(b) for b in blocks}) != len(blocks):
-                raise InvalidArgument("offload: blocks names a module twice")
-        trainable: Dict[int, Tuple[str, torch.Tensor]] = {}
-        for pname, p in module.named_parameters():
-            if p.requires_grad:
-                trainable[id(p)] = (pname, p)
-        # A model none of whose weights is frozen (what from_pretrained returns) is offloaded
-        # whole, for inference; one with frozen weights keeps its trainable ones (adapters) resident.
-        # With an optimizer the trainable ones are offloaded and trained on the host.
-        if optimizer is not None:
-            _train.check_optimizer(module, optimizer, trainable, offload_trainable)
-            offload_trainable = True
-        elif offload_trainable is None:
-            offload_trainable = len(trainable) == len({id(p) for p in params})
-        kept = {} if offload_trainable else trainable
+        params, names = _setup.check_module(module, blocks)
+        trainable, kept = _setup.trainable(module, params, optimizer, offload_trainable)
 
         # ---- the budget: given, shared with use_allocator, or the device's free memory less a reserve ----
         ctx_opts = dict(options)
         if trace:
             ctx_opts["trace"] = str(trace)
-        free, total = _device_memory(backend, dev, (t for t in params + list(module.buffers()) if id(t) not in kept),
-                                     ctx_opts)
-        if budget_v is not None:
-            budget_v = budget_bytes(budget_v, total)
         # Under use_allocator (or in a pipeline) the weights draw on one context of this device.
         shared = context if context is not None else _alloc.shared_context(dev, backend)
-        self.budget_source = "given"
-        self.reserve = 0
-        if shared is not None:
-            budget_v = free = shared.budget
-            self.budget_source = "shared"
-        elif budget_v is None:
-            self.reserve = _reserve(total)
-            budget_v = free - self.reserve
-            self.budget_source = "default"
-            if budget_v <= 0:
-                raise ConfigError(
-                    f"offload: no budget given, and the device's free memory ({format_size(free)} of "
-                    f"{format_size(total)}) leaves nothing beside the reserve for activations "
-                    f"({format_size(self.reserve)}); pass budget=")
+        resolved = resolve_budget(budget, backend, dev, (t for t in params + list(module.buffers()) if id(t) not in kept),
+                                  ctx_opts, shared)
+        budget_v = resolved.bytes
+        self.budget_source, self.reserve = resolved.source, resolved.reserve
 
-        # ---- the units (nothing moves yet) ----
+        # ---- the units (nothing moves yet) and the room a forward needs ----
         self._given_blocks = blocks is not None
-        if blocks is not None:
-            groups = [[b] for b in blocks]
-        else:
-            streamed = sum(p.numel() * p.element_size() for _, p in trainable.values()) if optimizer is not None else 0
-            lo, hi = _partition.bounds(budget_v, streamed)
-            groups = _partition.partition(module, set(kept), lo, hi)
-        units, needs, hooked = _plan_units(module, groups, set(kept), names)
-        if not units:
-            raise InvalidArgument(
-                f"offload: nothing to offload: all {len(trainable)} parameters of {type(module).__name__} require "
-                "grad, and trainable parameters stay resident. Freeze the weights first "
-                "(module.requires_grad_(False)), keeping only adapters trainable")
-        largest = max(units, key=lambda u: u.nbytes)
-        # Large units are mapped in large pages: a copy is split at every physical allocation under
-        # it, and each piece costs the enqueuing host time. A page is never larger than the largest
-        # unit.
-        page = _ARENA_PAGE
-        if shared is None:
-            ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
-            # The context holds weights only: cached device memory within the budget is kept, not
-            # returned on growth (returning it waits for the device; the budget is the user's).
-            ctx_opts.setdefault("frag_slack", 10)
-            # Activations of many sizes beside the units: a prefetch that would wait on a trim
-            # for its room is declined (the trims stalled every training step).
-            if activations:
-                ctx_opts.setdefault("prefetch_trim", "off")
-            page = _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
-        # The device arena maps memory in pages: a unit occupies at least its size rounded up.
-        # A forward holds a module's units with those of the hooked modules around it, each in
-        # whole arena pages (units up to the small-block limit share the small arena's pages).
-        def footprint(held: Sequence[_Unit]) -> int:
-            small = sum(u.nbytes for u in held if u.nbytes <= _SMALL_LIMIT)
-            return sum(_align(u.nbytes, page) for u in held if u.nbytes > _SMALL_LIMIT) + _align(small, _ARENA_PAGE)
-
-        need, holder, held = _held_together(module, needs, names, footprint)
-        need = max(need, footprint([largest]))
-        self.min_budget = need
-        if budget_v < need:
-            what = (f"the largest unit, {largest.name} ({format_size(largest.nbytes)}" if len(held) <= 1 else
-                    f"what {holder} holds at once, {len(held)} units ("
-                    + ", ".join(u.name for u in held[:4]) + (", ..." if len(held) > 4 else "")
-                    + f": {format_size(sum(u.nbytes for u in held))}")
-            raise ConfigError(
-                f"offload: budget {format_size(budget_v)} is below {what}, {format_size(need)} in the device "
-                f"arena's {format_size(page)} pages); raise the budget to at least {format_size(need)} or pass "
-                "smaller blocks=[...]")
-        if budget_v > free:
-            raise ConfigError(
-                f"offload: budget {format_size(budget_v)} is above the free device memory "
-                f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
+        streamed = sum(p.numel() * p.element_size() for _, p in trainable.values()) if optimizer is not None else 0
+        units, needs, hooked = _setup.units(module, blocks, kept, trainable, names, budget_v, streamed)
+        page = _ARENA_PAGE if shared is not None else _setup.own_context_options(ctx_opts, units, activations)
+        self.min_budget = _setup.check_room(module, units, needs, names, page, budget_v)
         self._owns_context = shared is None
         self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
         # the keyword options the context was created with (none under use_allocator's context)
@@ -305,7 +197,7 @@ class Offload:
         # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
         # wait for the interpreter lock in its destructor, and the exit hangs).
         self._grad_hooks: List[Any] = []
-        # (module, whether its forward was an instance attribute, that attribute): see _wrap_forward
+        # (module, whether its forward was an instance attribute, that attribute): see _patch.wrap_forward
         self._wrapped: List[Tuple[nn.Module, bool, Any]] = []
         self._ctx_handle = self.context._handle
         self._emu = backend == "emu"
@@ -345,7 +237,7 @@ class Offload:
         try:
             owners = _param_owners(module)
             for u in units:
-                self._pack(u, owners)
+                _views.pack(self, u, owners)
             if self._train:
                 _train.to_host(self, optimizer)
             if backend == "cuda":
@@ -357,84 +249,18 @@ class Offload:
             if self._train:
                 _train.wrap_step(self, optimizer)
         except BaseException:
-            self._undo()
+            _patch.undo(self)
             raise
         self._closed = False
-        _ACTIVE[module] = weakref.ref(self)
+        _setup.ACTIVE[module] = weakref.ref(self)
         return self
-
-    def _pack(self, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]) -> None:
-        # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
-        # another allocation that is registered too would make that registration fail.
-        reg = _align(u.nbytes, _PAGE)
-        raw = torch.empty(reg + _PAGE, dtype=torch.uint8)  # every tensor byte is copied in below
-        start = (-raw.data_ptr()) % _PAGE
-        pack = raw[start:start + reg]
-        for e in u.entries:
-            view = self._typed(pack, e.offset, e.nbytes, e.dtype, e.shape)
-            with torch.no_grad():
-                view.copy_(e.tensor.data)
-            e.host_view = view
-            e.stride = tuple(view.stride())
-        # registered only after the copy: the library's host copy must be the final contents
-        u.buf = self.context.register_host(pack.data_ptr(), reg, read_only=True)
-        u.handle = u.buf.handle
-        u.pack = raw
-        u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries if e.is_buffer)
-        u.slot_plan = (tuple((d, k, i) for i, e in enumerate(u.entries) if not e.is_buffer
-                             for d, k in owners.get(id(e.tensor), ())),
-                       tuple(i for i, e in enumerate(u.entries) if e.is_buffer))
-        u.trains = self._train and any(e.tensor.requires_grad for e in u.entries if not e.is_buffer)
-        if u.trains:
-            for e in u.entries:
-                if not e.is_buffer and e.tensor.requires_grad:
-                    self._param_unit[id(e.tensor)] = u
-        u.dev_set, u.dev_at = self._new_set(u), 0
-        u.dev_sets = {0: u.dev_set}
-        for e in u.entries:
-            e.tensor.data = e.host_view
-
-    def _new_set(self, u: _Unit) -> _DevSet:
-        """A set of device tensors for u, pointing nowhere yet: normal tensors (not inference
-        tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
-        inference_mode(False) switch (a large part of a re-point's cost otherwise). A trained
-        unit's device tensors do not require grad: its gradients go to the host Parameters
-        through _train.ToHost."""
-        with torch.inference_mode(False):
-            devs = tuple(torch.empty(0, dtype=e.dtype, device=self.device) for e in u.entries)
-            for e, d in zip(u.entries, devs):
-                if e.tensor.requires_grad and not self._train:  # offloaded for inference: a backward that needs it says so
-                    d.requires_grad_(True)
-                    self._grad_hooks.append(d.register_hook(_needs_grad(e.name)))
-        slots, bufs = u.slot_plan
-        return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
-                tuple((u.entries[i].tensor, devs[i]) for i in bufs))
-
-    @staticmethod
-    def _typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-        return base[offset:offset + nbytes].view(dtype).view(shape)
-
-    def _swap_device_property(self, module: nn.Module) -> None:
-        """A model class with a `device` property (transformers' PreTrainedModel: the first
-        parameter's device) would report the host between forwards, where the parameters are
-        host views, and generate() would build its inputs there. The instance gets a subclass
-        whose `device` is the execution device; remove() gives the original class back."""
-        cls = type(module)
-        self._orig_class = None
-        if not isinstance(getattr(cls, "device", None), property):
-            return
-        dev = self.device
-        sub = type(cls.__name__, (cls,), {"device": property(lambda _self: dev),
-                                          "__module__": cls.__module__})
-        module.__class__ = sub
-        self._orig_class = cls
 
     def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
         self._top_units = self._needs.get(id(module), [])
         for m in hooked:
             if m is not module:  # the top level acquires its own units inside its forward wrapper
-                self._wrap_forward(m, self._block_forward(m, m.forward, self._needs[id(m)]))
-        self._swap_device_property(module)
+                _patch.wrap_forward(self, m, self._block_forward(m, m.forward, self._needs[id(m)]))
+        _patch.swap_device_property(self, module)
         inner = module.forward
         off = self  # held by the wrapper: an offload lives as long as its module's forward needs it
 
@@ -445,23 +271,7 @@ class Offload:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
 
-        self._wrap_forward(module, forward)
-
-    def _wrap_forward(self, m: nn.Module, forward: Any) -> None:
-        """Make forward(m, ...) m's forward: an instance attribute, functools.partial(forward, m),
-        as accelerate's hooks are. The partial holds the module, so a deep copy of it holds the
-        copy, and forward can tell the two apart (a copy runs its class's forward: it was made
-        from the host views and is not offloaded). _undo puts back what was there."""
-        inner = m.forward
-        wrapped = functools.partial(forward, m)
-        # inspect.signature(m.forward) follows __wrapped__: generate() and friends that read the
-        # forward's parameters still see the real ones.
-        wrapped.__wrapped__ = inner  # type: ignore[attr-defined]
-        for attr in ("__doc__", "__name__", "__qualname__"):
-            if hasattr(inner, attr):
-                setattr(wrapped, attr, getattr(inner, attr))
-        self._wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
-        m.forward = wrapped  # type: ignore[method-assign]
+        _patch.wrap_forward(self, module, forward)
 
     # ------------------------------------------------------------------ hot path
     # Each block costs its wrapper's acquire and release per forward, on the host, before its
@@ -498,7 +308,7 @@ class Offload:
             if 0 in sets:
                 dset = sets.pop(0)
             elif len(sets) < _DEV_SETS:
-                dset = self._new_set(u)
+                dset = _views.new_set(self, u)
             else:
                 dset = sets.pop(next(iter(sets)))
             storage = _storage_at(ptr, u.nbytes, self.device)
@@ -946,63 +756,7 @@ class Offload:
         self._live()
         if self._depth or self._acquired:
             raise StateError("spillway.torch: remove() during a forward")
-        self._undo()
-
-    def _undo(self) -> None:
-        """Restore whatever was moved so far (also the rollback of a failed offload())."""
-        if getattr(self, "_open_step", False):
-            try:
-                self._end_open_step()
-            except _errors.Error:
-                pass  # the context goes anyway; nothing to keep
-        self._closed = True
-        _ACTIVE.pop(self.module, None)
-        if getattr(self, "_step_wrap", None) is not None:
-            _train.unwrap_step(self)
-        for m, had, old in reversed(getattr(self, "_wrapped", [])):
-            if had:
-                m.forward = old  # type: ignore[method-assign]
-            else:
-                m.__dict__.pop("forward", None)
-        self._wrapped = []
-        if getattr(self, "_orig_class", None) is not None:
-            self.module.__class__ = self._orig_class
-            self._orig_class = None
-        for u in self.units:
-            for e in u.entries:
-                if e.host_view is None:
-                    continue
-                fresh = torch.empty_strided(e.shape, e.orig_stride, dtype=e.dtype, device=e.orig_device)
-                with torch.no_grad():
-                    fresh.copy_(e.host_view)
-                e.tensor.data = fresh
-                e.host_view = None
-            u.host_pairs = ()
-            u.dev_set, u.dev_sets = None, {}
-            u.dev_at = 0
-        if getattr(self, "_train", False):
-            _train.from_host(self, self.optimizer)
-        for h in getattr(self, "_grad_hooks", ()):
-            h.remove()
-        self._grad_hooks = []
-        for p, orig in self._moved_trainable:
-            p.data = p.data.to(orig)
-        self._moved_trainable = []
-        ctx = self.context
-        for spare in getattr(self, "_stash_pool", {}).values():
-            for b in spare.values():
-                b.close()
-        self._stash_pool = {}
-        self._stash_slots = []
-        for u in self.units:
-            if u.buf is not None:
-                u.buf.close()
-                u.buf = None
-            u.pack = None
-        if not ctx.closed:
-            self.final_stats = ctx.stats()
-            if getattr(self, "_owns_context", False):
-                ctx.close()
+        _patch.undo(self)
 
     def __repr__(self) -> str:
         state = "removed" if self._closed else _report._plural(len(self.units), "unit")

@@ -11,10 +11,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..core import Context, budget_bytes, format_size, parse_budget
-from ..errors import ConfigError, InvalidArgument
+from ..core import Context, format_size
+from ..errors import InvalidArgument
 from . import _alloc
-from ._device import _device_memory, _reserve, _resolve_device
+from ._device import _resolve_device, resolve_budget
 from ._offload import Offload
 
 
@@ -118,23 +118,13 @@ def offload_all(obj: Any, budget: Any = None, policy: str = "plan", device: Any 
     if trace:
         ctx_opts["trace"] = str(trace)
     shared = _alloc.shared_context(dev, backend)
-    reserve, source = 0, "given"
+    b = resolve_budget(budget, backend, dev, (t for _, m in mods for t in list(m.parameters()) + list(m.buffers())),
+                       ctx_opts, shared)
     if shared is not None:
-        ctx, source = shared, "shared"
+        ctx = shared
     else:
-        budget_v = None if budget is None else parse_budget(budget, "offload")
-        free, total = _device_memory(backend, dev, (t for _, m in mods for t in list(m.parameters()) + list(m.buffers())),
-                                     ctx_opts)
-        if budget_v is not None:
-            budget_v = budget_bytes(budget_v, total)
-        if budget_v is None:
-            reserve, source = _reserve(total), "default"
-            budget_v = free - reserve
-        if not 0 < budget_v <= free:
-            raise ConfigError(f"offload: budget {format_size(max(budget_v, 0))} must be above 0 and at most the free "
-                              f"device memory ({format_size(free)} of {format_size(total)})")
         ctx_opts.setdefault("frag_slack", 10)  # weights only: cached memory within the budget is kept (_offload.py)
-        ctx = Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
+        ctx = Context(budget=b.bytes, policy=policy, backend=backend, **ctx_opts)
     done: List[Offload] = []
     try:
         for _, m in mods:
@@ -146,4 +136,4 @@ def offload_all(obj: Any, budget: Any = None, policy: str = "plan", device: Any 
         if shared is None:
             ctx.close()
         raise
-    return Offloads([n for n, _ in mods], done, ctx, source, reserve, shared is None)
+    return Offloads([n for n, _ in mods], done, ctx, b.source, b.reserve, shared is None)

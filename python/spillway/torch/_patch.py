@@ -1,0 +1,104 @@
+"""What an offload changes on the caller's objects, and remove(), which puts it all back: forwards
+wrapped, a model class swapped for one that reports the execution device, tensors restored
+to their devices, the trained parameters' state, the buffers and the context."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import errors as _errors
+from . import _train
+from ._setup import ACTIVE
+
+
+def swap_device_property(off: Any, module: nn.Module) -> None:
+    """A model class with a `device` property (transformers' PreTrainedModel: the first
+    parameter's device) would report the host between forwards, where the parameters are
+    host views, and generate() would build its inputs there. The instance gets a subclass
+    whose `device` is the execution device; remove() gives the original class back."""
+    cls = type(module)
+    off._orig_class = None
+    if not isinstance(getattr(cls, "device", None), property):
+        return
+    dev = off.device
+    sub = type(cls.__name__, (cls,), {"device": property(lambda _self: dev),
+                                      "__module__": cls.__module__})
+    module.__class__ = sub
+    off._orig_class = cls
+
+
+def wrap_forward(off: Any, m: nn.Module, forward: Any) -> None:
+    """Make forward(m, ...) m's forward: an instance attribute, functools.partial(forward, m),
+    as accelerate's hooks are. The partial holds the module, so a deep copy of it holds the
+    copy, and forward can tell the two apart (a copy runs its class's forward: it was made
+    from the host views and is not offloaded). undo() puts back what was there."""
+    inner = m.forward
+    wrapped = functools.partial(forward, m)
+    # inspect.signature(m.forward) follows __wrapped__: generate() and friends that read the
+    # forward's parameters still see the real ones.
+    wrapped.__wrapped__ = inner  # type: ignore[attr-defined]
+    for attr in ("__doc__", "__name__", "__qualname__"):
+        if hasattr(inner, attr):
+            setattr(wrapped, attr, getattr(inner, attr))
+    off._wrapped.append((m, "forward" in m.__dict__, m.__dict__.get("forward")))
+    m.forward = wrapped  # type: ignore[method-assign]
+
+
+def undo(off: Any) -> None:
+    """Restore whatever was moved so far (also the rollback of a failed offload())."""
+    if getattr(off, "_open_step", False):
+        try:
+            off._end_open_step()
+        except _errors.Error:
+            pass  # the context goes anyway; nothing to keep
+    off._closed = True
+    ACTIVE.pop(off.module, None)
+    if getattr(off, "_step_wrap", None) is not None:
+        _train.unwrap_step(off)
+    for m, had, old in reversed(getattr(off, "_wrapped", [])):
+        if had:
+            m.forward = old  # type: ignore[method-assign]
+        else:
+            m.__dict__.pop("forward", None)
+    off._wrapped = []
+    if getattr(off, "_orig_class", None) is not None:
+        off.module.__class__ = off._orig_class
+        off._orig_class = None
+    for u in off.units:
+        for e in u.entries:
+            if e.host_view is None:
+                continue
+            fresh = torch.empty_strided(e.shape, e.orig_stride, dtype=e.dtype, device=e.orig_device)
+            with torch.no_grad():
+                fresh.copy_(e.host_view)
+            e.tensor.data = fresh
+            e.host_view = None
+        u.host_pairs = ()
+        u.dev_set, u.dev_sets = None, {}
+        u.dev_at = 0
+    if getattr(off, "_train", False):
+        _train.from_host(off, off.optimizer)
+    for h in getattr(off, "_grad_hooks", ()):
+        h.remove()
+    off._grad_hooks = []
+    for p, orig in off._moved_trainable:
+        p.data = p.data.to(orig)
+    off._moved_trainable = []
+    ctx = off.context
+    for spare in getattr(off, "_stash_pool", {}).values():
+        for b in spare.values():
+            b.close()
+    off._stash_pool = {}
+    off._stash_slots = []
+    for u in off.units:
+        if u.buf is not None:
+            u.buf.close()
+            u.buf = None
+        u.pack = None
+    if not ctx.closed:
+        off.final_stats = ctx.stats()
+        if getattr(off, "_owns_context", False):
+            ctx.close()

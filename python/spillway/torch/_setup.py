@@ -1,0 +1,140 @@
+"""What offload() decides before anything moves: the module and its arguments checked, which
+tensors are offloaded and which stay resident, the units, the options of an offload's own
+context, and the room a forward needs. Nothing here moves a tensor or calls the library."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..core import format_size, parse_size
+from ..errors import ConfigError, InvalidArgument, StateError
+from . import _partition, _train
+from ._device import _ARENA_PAGE, _SMALL_LIMIT, _arena_page, _large_page
+from ._units import _Unit, _align, _held_together, _module_names, _plan_units
+
+# Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
+# neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
+ACTIVE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def active(module: nn.Module) -> bool:
+    """Whether module is offloaded now."""
+    ref = ACTIVE.get(module)
+    off = ref() if ref is not None else None
+    return off is not None and not off._closed
+
+
+def check_new(module: Any) -> None:
+    """A module that neither it nor any submodule is offloaded already."""
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument(f"offload: expected a torch.nn.Module, got {type(module).__name__}")
+    if active(module):
+        raise StateError("offload: this module is already offloaded; call .remove() on its Offload first")
+    for m in module.modules():
+        if m is not module and active(m):
+            raise StateError(f"offload: submodule {type(m).__name__} is already offloaded")
+
+
+def check_module(module: nn.Module, blocks: Optional[Sequence[nn.Module]]) -> Tuple[List[torch.Tensor], Dict[int, str]]:
+    """(its parameters, id(submodule) -> name) of a module with loaded weights, after checking
+    that blocks, if given, are distinct submodules of it."""
+    params = list(module.parameters())
+    if not params:
+        raise InvalidArgument(f"offload: {type(module).__name__} has no parameters")
+    for t in params + list(module.buffers()):
+        if t.device.type == "meta":
+            raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
+    names = _module_names(module)
+    if blocks is not None:
+        for b in blocks:
+            if not isinstance(b, nn.Module):
+                raise InvalidArgument(f"offload: blocks must be modules, got {type(b).__name__}")
+            if id(b) not in names:
+                raise InvalidArgument(f"offload: block {type(b).__name__} is not a submodule of the module")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise InvalidArgument("offload: blocks names a module twice")
+    return params, names
+
+
+def trainable(module: nn.Module, params: List[torch.Tensor], optimizer: Any,
+              offload_trainable: Optional[bool]) -> Tuple[Dict[int, Tuple[str, torch.Tensor]],
+                                                           Dict[int, Tuple[str, torch.Tensor]]]:
+    """(every parameter that requires grad, those of them that stay resident), each by id as
+    (name, parameter). A model none of whose weights is frozen (what from_pretrained returns) is
+    offloaded whole, for inference; one with frozen weights keeps its trainable ones (adapters)
+    resident; with an optimizer the trainable ones are offloaded and trained on the host."""
+    grads: Dict[int, Tuple[str, torch.Tensor]] = {}
+    for pname, p in module.named_parameters():
+        if p.requires_grad:
+            grads[id(p)] = (pname, p)
+    if optimizer is not None:
+        _train.check_optimizer(module, optimizer, grads, offload_trainable)
+        offload_trainable = True
+    elif offload_trainable is None:
+        offload_trainable = len(grads) == len({id(p) for p in params})
+    return grads, ({} if offload_trainable else grads)
+
+
+def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
+          grads: Dict[int, Any], names: Dict[int, str], budget: int,
+          streamed: int) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+    """(units, id(module) -> the units its hook acquires, the hooked modules): blocks=[...] as
+    given, else the partition of the module tree for the budget (_partition.py), of which
+    `streamed` bytes of trained weights cross the link every step."""
+    if blocks is not None:
+        groups = [[b] for b in blocks]
+    else:
+        lo, hi = _partition.bounds(budget, streamed)
+        groups = _partition.partition(module, set(kept), lo, hi)
+    out = _plan_units(module, groups, set(kept), names)
+    if not out[0]:
+        raise InvalidArgument(
+            f"offload: nothing to offload: all {len(grads)} parameters of {type(module).__name__} require "
+            "grad, and trainable parameters stay resident. Freeze the weights first "
+            "(module.requires_grad_(False)), keeping only adapters trainable")
+    return out
+
+
+def own_context_options(ctx_opts: Dict[str, Any], units: Sequence[_Unit], activations: bool) -> int:
+    """Fill in the defaults of an offload's own context (the caller's options win); returns the
+    page its large-block arena maps units in."""
+    # Large units are mapped in large pages: a copy is split at every physical allocation under
+    # it, and each piece costs the enqueuing host time. A page is never larger than the largest
+    # unit.
+    ctx_opts.setdefault("vmm_large_page", _large_page(u.nbytes for u in units))
+    # The context holds weights only: cached device memory within the budget is kept, not
+    # returned on growth (returning it waits for the device; the budget is the user's).
+    ctx_opts.setdefault("frag_slack", 10)
+    # Activations of many sizes beside the units: a prefetch that would wait on a trim for its
+    # room is declined (the trims stalled every training step).
+    if activations:
+        ctx_opts.setdefault("prefetch_trim", "off")
+    return _arena_page(parse_size(str(ctx_opts["vmm_large_page"])))
+
+
+def check_room(module: nn.Module, units: Sequence[_Unit], needs: Dict[int, List[_Unit]], names: Dict[int, str],
+               page: int, budget: int) -> int:
+    """The least budget a forward can run in (returned), checked against budget: the device
+    arena maps memory in pages, so a unit occupies at least its size rounded up, and a forward
+    holds a module's units with those of the hooked modules around it, each in whole arena
+    pages (units up to the small-block limit share the small arena's pages)."""
+    def footprint(held: Sequence[_Unit]) -> int:
+        small = sum(u.nbytes for u in held if u.nbytes <= _SMALL_LIMIT)
+        return sum(_align(u.nbytes, page) for u in held if u.nbytes > _SMALL_LIMIT) + _align(small, _ARENA_PAGE)
+
+    largest = max(units, key=lambda u: u.nbytes)
+    need, holder, held = _held_together(module, needs, names, footprint)
+    need = max(need, footprint([largest]))
+    if budget < need:
+        what = (f"the largest unit, {largest.name} ({format_size(largest.nbytes)}" if len(held) <= 1 else
+                f"what {holder} holds at once, {len(held)} units ("
+                + ", ".join(u.name for u in held[:4]) + (", ..." if len(held) > 4 else "")
+                + f": {format_size(sum(u.nbytes for u in held))}")
+        raise ConfigError(
+            f"offload: budget {format_size(budget)} is below {what}, {format_size(need)} in the device "
+            f"arena's {format_size(page)} pages); raise the budget to at least {format_size(need)} or pass "
+            "smaller blocks=[...]")
+    return need

@@ -1,0 +1,68 @@
+"""A unit's tensors in its two places: packed into one pinned host buffer registered with the
+context (pack), and the sets of device tensors over the unit's device copy that its modules are
+pointed at while it is acquired (new_set; _offload.Offload._point re-points them)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ._device import _PAGE
+from ._errors import _needs_grad
+from ._units import _DevSet, _Unit, _align, _columns
+
+
+def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]) -> None:
+    """Copy u's tensors into one page-aligned CPU tensor, register it as the host copy of u's
+    read-only buffer in off's context, and point every tensor of u at its view in the pack."""
+    # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
+    # another allocation that is registered too would make that registration fail.
+    reg = _align(u.nbytes, _PAGE)
+    raw = torch.empty(reg + _PAGE, dtype=torch.uint8)  # every tensor byte is copied in below
+    start = (-raw.data_ptr()) % _PAGE
+    pack = raw[start:start + reg]
+    for e in u.entries:
+        view = typed(pack, e.offset, e.nbytes, e.dtype, e.shape)
+        with torch.no_grad():
+            view.copy_(e.tensor.data)
+        e.host_view = view
+        e.stride = tuple(view.stride())
+    # registered only after the copy: the library's host copy must be the final contents
+    u.buf = off.context.register_host(pack.data_ptr(), reg, read_only=True)
+    u.handle = u.buf.handle
+    u.pack = raw
+    u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries if e.is_buffer)
+    u.slot_plan = (tuple((d, k, i) for i, e in enumerate(u.entries) if not e.is_buffer
+                         for d, k in owners.get(id(e.tensor), ())),
+                   tuple(i for i, e in enumerate(u.entries) if e.is_buffer))
+    u.trains = off._train and any(e.tensor.requires_grad for e in u.entries if not e.is_buffer)
+    if u.trains:
+        for e in u.entries:
+            if not e.is_buffer and e.tensor.requires_grad:
+                off._param_unit[id(e.tensor)] = u
+    u.dev_set, u.dev_at = new_set(off, u), 0
+    u.dev_sets = {0: u.dev_set}
+    for e in u.entries:
+        e.tensor.data = e.host_view
+
+
+def new_set(off: Any, u: _Unit) -> _DevSet:
+    """A set of device tensors for u, pointing nowhere yet: normal tensors (not inference
+    tensors, whatever mode runs), usable with autograd, so re-pointing them needs no
+    inference_mode(False) switch (a large part of a re-point's cost otherwise). A trained
+    unit's device tensors do not require grad: its gradients go to the host Parameters
+    through _train.ToHost."""
+    with torch.inference_mode(False):
+        devs = tuple(torch.empty(0, dtype=e.dtype, device=off.device) for e in u.entries)
+        for e, d in zip(u.entries, devs):
+            if e.tensor.requires_grad and not off._train:  # offloaded for inference: a backward that needs it says so
+                d.requires_grad_(True)
+                off._grad_hooks.append(d.register_hook(_needs_grad(e.name)))
+    slots, bufs = u.slot_plan
+    return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
+            tuple((u.entries[i].tensor, devs[i]) for i in bufs))
+
+
+def typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    """The bytes [offset, offset + nbytes) of base as a contiguous tensor of dtype and shape."""
+    return base[offset:offset + nbytes].view(dtype).view(shape)
