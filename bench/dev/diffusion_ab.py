@@ -16,7 +16,8 @@ chose, and whether the output equals resident's bitwise.
         --variants 'plan;plan:prefetch_thread=off;lru'
 
 A variant is POLICY[:key=value,...] (offload's policy and context options, as SPILLWAY_CONF
-spells them).
+spells them; unit_max=BYTES caps the partition's largest unit instead, as
+diffusion_profile.py's --unit-max does).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
+from spillway.torch import _partition  # noqa: E402
 
 
 def parse_variant(text):
@@ -77,7 +79,15 @@ def main():
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 policy, opts = variants[names.index(n)]
-                h = spt.offload(model, budget=budget, policy=policy, **opts)
+                opts = dict(opts)
+                cap = int(opts.pop("unit_max", 0))
+                bounds = _partition.bounds
+                if cap:
+                    _partition.bounds = lambda b, s=0: tuple(min(x, cap) for x in bounds(b, s))
+                try:
+                    h = spt.offload(model, budget=budget, policy=policy, **opts)
+                finally:
+                    _partition.bounds = bounds
                 td.timed_steps(step, a.warm)
                 s0, hist0 = h.stats(), list(h._hook_hist)
                 ts, out = td.timed_steps(step, a.steps)

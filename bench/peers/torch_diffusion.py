@@ -8,7 +8,10 @@ importable (put its src/ on PYTHONPATH) and says so when it is not.
 For each model and budget, per variant: ms per steady step (median of the steps after the first
 20), the first 20 steps' total, bytes uploaded per steady step, spillway's host time per acquire
 and unit count, peak device memory (PyTorch's reserved plus spillway's held), and whether the
-output is bitwise equal to the resident model's. The physical bound of a step is
+output is bitwise equal to the resident model's. Variants: resident, spillway-POLICY (offload()
+with that policy), spillway-POLICY-segments (the same, its context's device arena in plain
+segments, vmm="off": one allocation a unit, no mapped pages), group-leaf, group-block,
+accelerate. The physical bound of a step is
 max(resident ms, (offloaded bytes - budget) / link), the link measured in the same run.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS/src \\
@@ -163,7 +166,10 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if name.startswith("spillway"):
-        handle = spt.offload(model, budget=budget, policy=name.split("-")[1])
+        # spillway-POLICY, or spillway-POLICY-segments: the context's device arena in plain
+        # segments (vmm="off"), one allocation a unit, instead of pages of one mapped range
+        opts = {"vmm": "off"} if name.endswith("-segments") else {}
+        handle = spt.offload(model, budget=budget, policy=name.split("-")[1], **opts)
     elif name.startswith("group"):
         level = "leaf_level" if name == "group-leaf" else "block_level"
         extra = {} if level == "leaf_level" else {"num_blocks_per_group": 1}
@@ -196,7 +202,8 @@ PLAN = {  # model -> [(budget: fraction of the weights or bytes, variants)]
     "sd15": [("0.40", "resident,spillway-plan,spillway-lru,group-leaf,group-block,accelerate")],
     "sdxl": [("0.35", "resident,spillway-plan,spillway-lru,group-leaf,group-block,accelerate"),
              (str(8 * GiB), "spillway-plan")],
-    "flux": [(str(8 * GiB), "resident,spillway-plan,group-leaf"), (str(12 * GiB), "spillway-plan")],
+    "flux": [(str(8 * GiB), "resident,spillway-plan,spillway-plan-segments,group-leaf"),
+             (str(12 * GiB), "spillway-plan,spillway-plan-segments")],
 }
 
 

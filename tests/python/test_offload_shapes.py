@@ -426,6 +426,28 @@ def test_bad_input_is_a_clear_error_before_anything_moves():
     assert all(p.device.type == "cpu" and p.data_ptr() for p in m.parameters())
 
 
+def test_a_module_and_a_pipeline_resolve_a_budget_alike():
+    """One budget resolution (_device.resolve_budget): the same budget is refused with the same
+    message by offload(module) and offload([modules]), before anything moves; a percentage is of
+    the device's memory, and no budget is its free memory less the reserve, in both."""
+    a = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).requires_grad_(False)
+    b = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).requires_grad_(False)
+    for target in (a, [a, b]):
+        with pytest.raises(spillway.ConfigError, match="budget 64.00 MiB is above the free device memory "
+                                                       "\\(32.00 MiB of 32.00 MiB on emu\\)"):
+            spt.offload(target, budget="64MiB", emu_capacity="32MiB", backend="emu")
+        with pytest.raises(spillway.ConfigError, match="a budget is bytes"):
+            spt.offload(target, budget=1.5, backend="emu")
+        assert all("forward" not in s.__dict__ for s in a.modules())
+        assert all(p.device.type == "cpu" and p.data_ptr() for p in a.parameters())
+        off = spt.offload(target, budget="25%", emu_capacity="64MiB", backend="emu")
+        assert off.context.budget == 16 * MiB and off.budget_source == "given"
+        off.remove()
+        off = spt.offload(target, emu_capacity="64MiB", backend="emu")  # no budget: free less the reserve
+        assert off.context.budget == 32 * MiB and off.budget_source == "default" and off.reserve == 32 * MiB
+        off.remove()
+
+
 def test_torch_transformer_layers_that_read_their_childrens_weights_stay_whole():
     """nn.TransformerEncoderLayer in eval runs torch's fused path, which reads linear1.weight,
     self_attn.out_proj.weight, ... itself: a layer is never split into its children (whose hooks

@@ -9,7 +9,7 @@ import pytest
 
 import spillway
 from spillway.core import parse_budget
-from spillway.torch import _alloc
+from spillway.torch import _budget
 
 TABLE = Path(__file__).resolve().parents[1] / "data" / "sizes.txt"
 
@@ -66,9 +66,9 @@ def test_one_grammar(line, text, result, monkeypatch):
     want = _expect(text, result)
     got = {
         "spillway.core.parse_budget (offload, Context)": _answer(lambda: parse_budget(text, "test")),
-        "use_allocator(budget=TEXT)": _answer(lambda: _alloc._budget_text(text)),
-        "use_allocator(budget={0: TEXT})": _answer(lambda: _alloc._budget_text({0: text})),
-        "use_allocator(budget='0:TEXT')": _answer(lambda: _alloc._budget_text("0:" + text)),
+        "use_allocator(budget=TEXT)": _answer(lambda: _budget._budget_text(text)),
+        "use_allocator(budget={0: TEXT})": _answer(lambda: _budget._budget_text({0: text})),
+        "use_allocator(budget='0:TEXT')": _answer(lambda: _budget._budget_text("0:" + text)),
     }
     monkeypatch.setenv("SPILLWAY_CONF", f"budget={text}")
     got["SPILLWAY_CONF (spillway.Config)"] = _answer(_conf_budget)

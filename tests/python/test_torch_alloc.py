@@ -16,7 +16,7 @@ import torch
 import spillway
 import spillway.torch as spt
 from spillway import _lib
-from spillway.torch import _alloc
+from spillway.torch import _alloc, _budget
 from models import make_stack
 
 MiB = 1 << 20
@@ -45,17 +45,17 @@ def tfree(ptr: int, nbytes: int, device: int = 0) -> None:
 # ---- configuration ----
 
 def test_budget_forms_become_the_librarys_list():
-    assert _alloc._conf_text({1: "8GiB", 0: 4 * MiB}, {}) == "budget=0:4194304;1:8589934592"
-    assert _alloc._conf_text("0:4GiB;1:8GiB", {"policy": "lru"}) == "policy=lru,budget=0:4294967296;1:8589934592"
-    assert _alloc._conf_text(" 1: 50 %;0:6 GB", {}) == "budget=0:6442450944;1:50%"
-    assert _alloc._conf_text("50%", {"prefetch": True}) == "prefetch=on,budget=50%"
-    assert _alloc._conf_text(None, {}) == ""
+    assert _budget._conf_text({1: "8GiB", 0: 4 * MiB}, {}) == "budget=0:4194304;1:8589934592"
+    assert _budget._conf_text("0:4GiB;1:8GiB", {"policy": "lru"}) == "policy=lru,budget=0:4294967296;1:8589934592"
+    assert _budget._conf_text(" 1: 50 %;0:6 GB", {}) == "budget=0:6442450944;1:50%"
+    assert _budget._conf_text("50%", {"prefetch": True}) == "prefetch=on,budget=50%"
+    assert _budget._conf_text(None, {}) == ""
     for bad in ({"0": "1GiB"}, {0: "lots"}, 0, -5, 1.5, {}, "many", "0:1GiB;0:2GiB", "0:1GiB;x:2GiB", "0:1GiB;",
                 "0:lots"):
         with pytest.raises(spillway.ConfigError):
-            _alloc._conf_text(bad, {})
+            _budget._conf_text(bad, {})
     with pytest.raises(spillway.ConfigError, match="chosen per allocation by PyTorch"):
-        _alloc._conf_text("1GiB", {"device": 1})
+        _budget._conf_text("1GiB", {"device": 1})
     with pytest.raises(spillway.ConfigError, match="mode must be"):
         spt.use_allocator("1GiB", mode="everything", **EMU)
 

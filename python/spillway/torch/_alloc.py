@@ -63,9 +63,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from .. import _lib
-from ..core import Context, _option_text, format_size, parse_budget
+from ..core import Context, format_size
 from ..errors import ConfigError, InvalidArgument, StateError, check
 from .. import errors as _errors
+from ._budget import _conf_text
 from ._errors import OutOfMemoryError
 
 _lib_c = _lib.lib
@@ -143,57 +144,6 @@ class _SharedContext(Context):
         for child in list(self._children):
             child._orphan()
         self._handle = None
-
-
-def _budget_text(budget: Any) -> Optional[str]:
-    """The budget option as the library reads it: one size for every device, or per device
-    ("0:4GiB;1:8GiB" or {0: "4GiB", 1: "8GiB"}). Every size is checked here, by the library's
-    size grammar (spillway.core.parse_budget), so a bad one fails at use_allocator()."""
-    if budget is None:
-        return None
-    if isinstance(budget, str) and ":" in budget:
-        entries: Dict[Any, Any] = {}
-        for item in budget.split(";"):
-            dev, sep, size = item.partition(":")
-            if not sep or not dev.strip().isdigit():
-                raise ConfigError(f"use_allocator: bad per-device budget entry {item!r} in {budget!r} "
-                                  "(expected DEVICE:SIZE;DEVICE:SIZE, e.g. 0:4GiB;1:8GiB)")
-            if int(dev) in entries:
-                raise ConfigError(f"use_allocator: device {int(dev)} is given twice in the budget {budget!r}")
-            entries[int(dev)] = size
-        budget = entries
-    if isinstance(budget, dict):
-        items = []
-        for dev, size in sorted(budget.items()):
-            if isinstance(dev, bool) or not isinstance(dev, int) or dev < 0:
-                raise ConfigError(f"use_allocator: budget keys must be device indices (int >= 0), got {dev!r}")
-            items.append(f"{dev}:{_size_text(size)}")
-        if not items:
-            raise ConfigError("use_allocator: budget={} names no device")
-        return ";".join(items)
-    return _size_text(budget)
-
-
-def _size_text(size: Any) -> str:
-    return str(parse_budget(size, "use_allocator"))
-
-
-def _conf_text(budget: Any, options: Dict[str, Any]) -> str:
-    parts = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if key == "device":
-            raise ConfigError("use_allocator: option 'device' is chosen per allocation by PyTorch; "
-                              "give per-device budgets as budget={0: '4GiB', 1: '8GiB'} or '0:4GiB;1:8GiB'")
-        text = _option_text(key, value)
-        if "," in text:
-            raise ConfigError(f"use_allocator: option {key!r}: the value may not contain ','")
-        parts.append(f"{key}={text}")
-    b = _budget_text(budget)
-    if b is not None:
-        parts.append(f"budget={b}")
-    return ",".join(parts)
 
 
 def _device_index(device: Any) -> int:

@@ -1,30 +1,19 @@
-"""Where offloaded weights go: the device and backend an offload runs on, the device memory its
-budget may take (one resolution for a module and for a pipeline), and the arena pages its units
-are mapped in."""
+"""Where offloaded weights go: the device and backend an offload runs on, the device memory free
+for it, and the arena pages its units are mapped in."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, Tuple
 
 import torch
 
 from .. import errors as _errors
-from ..core import Context, budget_bytes, format_size, parse_budget, parse_size
+from ..core import parse_size
 from ..errors import ConfigError
 
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
 _SMALL_LIMIT = 1 << 20  # units up to this size come from the small-block arena (option small_limit)
-# Without a budget, offload() takes the device's free memory less a reserve for what PyTorch
-# allocates beside the weights (activations, a KV cache): _reserve(device memory).
-_RESERVE_MIN = 1 << 30
-
-
-def _reserve(total: int) -> int:
-    """A quarter of the device, and at least 1 GiB (on a device of 2 GiB or less, half of it)."""
-    return max(total // 4, min(_RESERVE_MIN, total // 2))
-
-
 _LARGE_PAGE_MAX = 1 << 30  # the default large page of an offload's own context, at most (the library's limit)
 
 
@@ -95,40 +84,3 @@ def _device_memory(backend: str, dev: torch.device, tensors: Iterable[torch.Tens
     if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
         ctx_opts["prefetch_thread"] = "on"
     return free, total
-
-
-class Budget(NamedTuple):
-    """What an offload's weights may hold on the device, and where that figure came from."""
-
-    bytes: int
-    free: int  # the device memory free for it (tensors already on the device counted free)
-    total: int  # the device's memory
-    source: str  # "given", "shared" (use_allocator's context) or "default"
-    reserve: int  # with source "default": what is left free for activations
-
-
-def resolve_budget(budget: Any, backend: str, dev: torch.device, tensors: Iterable[torch.Tensor],
-                   ctx_opts: Dict[str, Any], shared: Optional[Context]) -> Budget:
-    """The one budget resolution of offload() for a module and for a pipeline: under a shared
-    context (use_allocator's) its budget, whatever was passed; else the budget given (bytes, a
-    size, or "N%" of the device, which the library resolves), else the device's free memory less
-    _reserve(device memory). Raises ConfigError for a budget that is not one, and for one the
-    free device memory cannot hold."""
-    given = None if budget is None else parse_budget(budget, "offload")
-    if shared is not None:
-        return Budget(shared.budget, shared.budget, shared.budget, "shared", 0)
-    free, total = _device_memory(backend, dev, tensors, ctx_opts)
-    if given is None:
-        reserve = _reserve(total)
-        if free - reserve <= 0:
-            raise ConfigError(
-                f"offload: no budget given, and the device's free memory ({format_size(free)} of "
-                f"{format_size(total)}) leaves nothing beside the reserve for activations "
-                f"({format_size(reserve)}); pass budget=")
-        return Budget(free - reserve, free, total, "default", reserve)
-    nbytes = budget_bytes(given, total)
-    if nbytes > free:
-        raise ConfigError(
-            f"offload: budget {format_size(nbytes)} is above the free device memory "
-            f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
-    return Budget(nbytes, free, total, "given", 0)

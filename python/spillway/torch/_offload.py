@@ -88,7 +88,8 @@ from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
 from . import _alloc, _patch, _report, _setup, _train, _views
-from ._device import _ARENA_PAGE, _resolve_device, resolve_budget
+from ._budget import resolve_budget
+from ._device import _ARENA_PAGE, _resolve_device
 from ._errors import OutOfMemoryError
 from ._saved import saving
 from ._units import _DevSet, _Unit, _columns, _param_owners, _storage_at

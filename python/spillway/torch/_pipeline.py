@@ -14,7 +14,8 @@ from torch import nn
 from ..core import Context, format_size
 from ..errors import InvalidArgument
 from . import _alloc
-from ._device import _resolve_device, resolve_budget
+from ._budget import resolve_budget
+from ._device import _resolve_device
 from ._offload import Offload
 
 
