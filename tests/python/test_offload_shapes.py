@@ -427,7 +427,7 @@ def test_bad_input_is_a_clear_error_before_anything_moves():
 
 
 def test_a_module_and_a_pipeline_resolve_a_budget_alike():
-    """One budget resolution (_device.resolve_budget): the same budget is refused with the same
+    """One budget resolution (_budget.resolve_budget): the same budget is refused with the same
     message by offload(module) and offload([modules]), before anything moves; a percentage is of
     the device's memory, and no budget is its free memory less the reserve, in both."""
     a = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).requires_grad_(False)
