@@ -436,6 +436,50 @@ def test_remove_restores_exactly_and_leaves_nothing_held():
 
 
 
+@pytest.mark.parametrize("stage", ["pack", "wrap_forward"])
+def test_a_failure_midway_through_offload_puts_everything_back(monkeypatch, stage):
+    """A failure after some units were packed (or some forwards wrapped) undoes them all: the
+    same tensor objects with their values, devices and strides, no wrapper left, the model's
+    class and its context gone; the module can be offloaded again."""
+    from spillway.torch import _patch, _views
+    m = make_decoder(layers=3)
+    frozen(m)
+    ref = copy.deepcopy(m)
+    snap = snapshot(m)
+    def storage_bytes(t):
+        return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).nbytes()
+
+    storage = {n: storage_bytes(t) for n, (t, *_r) in snap.items()}
+    cls = type(m)
+    target = {"pack": (_views, "pack"), "wrap_forward": (_patch, "wrap_forward")}[stage]
+    real = getattr(*target)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"injected failure in {stage}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target[0], target[1], failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        spt.offload(m, budget="4MiB", **EMU)
+    assert len(calls) == 3  # two went through before the failure: there was something to undo
+    monkeypatch.undo()
+    now = dict(list(m.named_parameters()) + list(m.named_buffers()))
+    for n, (t, _ptr, val, stride, dev) in snap.items():
+        assert now[n] is t and torch.equal(t, val) and t.stride() == stride and t.device == dev, n
+        assert storage_bytes(t) == storage[n], n  # its own memory again, not a view of a pack
+    assert type(m) is cls and m.lm_head.weight is m.embed.weight
+    assert not any("forward" in s.__dict__ for s in m.modules())
+    ids = torch.randint(0, 97, (1, 4))
+    assert torch.equal(m(ids)[0], ref(ids)[0])
+    off = spt.offload(m, budget="4MiB", **EMU)  # nothing of the failed one is left in the way
+    with torch.no_grad():
+        assert torch.equal(m(ids)[0], ref(ids)[0])
+    off.remove()
+
+
 def test_out_of_memory_during_forward_is_torch_oom(tmp_path):
     class Wide(nn.Module):
         def __init__(self):
