@@ -319,6 +319,46 @@ def test_remove_puts_the_optimizer_back_and_training_goes_on_resident():
         off.summary()
 
 
+def test_a_failure_midway_through_offload_puts_the_optimizer_back(monkeypatch):
+    """optimizer=: a failure after the trained parameters became host views of the packs (and
+    opt's state was moved with them) but before opt.step was wrapped leaves opt as it was:
+    training it resident then matches a reference step for step."""
+    from spillway.torch import _patch
+    m = stack(9)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = stack_batches(0)[0]
+    for model, o in ((m, opt), (ref, opt_ref)):  # some state to carry through the failure
+        mse(model, x).backward()
+        o.step()
+        o.zero_grad()
+    real, calls = _patch.wrap_forward, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_patch, "wrap_forward", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        spt.offload(m, budget="4MiB", optimizer=opt, **EMU)
+    monkeypatch.undo()
+    assert "step" not in opt.__dict__  # not wrapped
+    assert not any("forward" in sub.__dict__ for sub in m.modules())
+    assert_params_equal(m, ref)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], opt_ref.state[q][k]), k
+    for _ in range(2):
+        for model, o in ((m, opt), (ref, opt_ref)):
+            mse(model, x).backward()
+            o.step()
+            o.zero_grad()
+    assert_params_equal(m, ref)
+
+
 # ---- bad input: a clear error before anything moves; the model unchanged and usable ----
 
 def check_refused(m: nn.Module, exc, match: str, **kw) -> None:
