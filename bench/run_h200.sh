@@ -3,7 +3,8 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp]   (default: all but diffusion, pipeline, smallcard, train)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -139,6 +140,18 @@ DIFFUSERS_PATH=${DIFFUSERS:-$PWD/.peers}/src
 if has diffusion; then
   log "bench/peers/torch_diffusion.py"
   PYEXTRA=$DIFFUSERS_PATH pyrun torch_diffusion 580 bench/peers/torch_diffusion.py ${DIFFUSION_ARGS:-}
+fi
+if has diffab; then
+  # the denoisers of the "offload any model" acceptance, each variant against resident in one
+  # process (bench/dev/diffusion_ab.py): SD 1.5 at 40%, SDXL at 35%, Flux at 8 GiB
+  log "bench/dev/diffusion_ab.py"
+  for c in "sd15 0.40 3 plan;lru" "sdxl 0.35 2 plan;plan:vmm=off" "flux 8589934592 2 plan;plan:vmm=off"; do
+    set -- $c
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 300 \
+      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds $3 --variants "$4" \
+      >"$OUT/diffab-$1.txt" 2>&1 || rc=1
+    grep -v "^round\|Warn\|float32" "$OUT/diffab-$1.txt" | tail -8
+  done
 fi
 if has pipeline; then
   log "bench/peers/torch_pipeline.py"

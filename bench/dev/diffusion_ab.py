@@ -7,11 +7,12 @@ one (bench/dev/hook_ab.py), and SD 1.5's UNet is bound by the host's kernel laun
 ratio to resident means something only against a resident pass of the same round. Each round
 runs the resident model, then each variant (offload with its options, --warm steps for the plan
 to learn and choose its pipeline, --steps timed steps, remove()), the order rotating by round.
-Per variant: the median step over the rounds, the median of its per-round ratios to resident,
-the median host time per acquire, bytes uploaded and trims a step, the pipeline the plan
+Per variant: the median step over the rounds, the median of its per-round ratios to resident
+and to the physical bound (max(resident, (weights - budget) / link), the link measured at the
+start), the median host time per acquire, bytes uploaded and trims a step, the pipeline the plan
 chose, and whether the output equals resident's bitwise.
 
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS/src \\
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$PWD/.peers/src \\
         python3 bench/dev/diffusion_ab.py --model sd15 --budget 0.40 \\
         --variants 'plan;plan:prefetch_thread=off;lru'
 
@@ -58,6 +59,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    link = td.link_gbps()
     model, inputs = td.MODELS[a.model][0](False)
     total = td.nbytes(model)
     budget = int(total * float(a.budget)) if "." in a.budget else int(a.budget)
@@ -109,14 +111,18 @@ def main():
             print(f"round {r}: resident {res:.1f} ms; " + ", ".join(
                 f"{n} {rows[n]['ms'][-1]:.1f} ({rows[n]['ratio'][-1]:.2f}x)" for n in names), flush=True)
     med = statistics.median
+    link_ms = (total - budget) / (link * 1e9) * 1e3
     print(f"\n{a.model}, budget {budget / 2**30:.2f} GiB of {total / 2**30:.2f} GiB, {a.rounds} rounds, "
-          f"resident {med(res_ms):.1f} ms (rounds {', '.join('%.1f' % x for x in res_ms)})")
-    print("| variant | ms/step | x resident (median of rounds) | hook us/acquire | GiB up/step | trims/step | "
-          "pipeline | bitwise |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"resident {med(res_ms):.1f} ms (rounds {', '.join('%.1f' % x for x in res_ms)}); link {link:.1f} GB/s: "
+          f"the offloaded bytes less the budget take {link_ms:.1f} ms")
+    print("| variant | ms/step | x resident (median of rounds) | x bound | hook us/acquire | GiB up/step | "
+          "trims/step | pipeline | bitwise |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
         row = rows[n]
-        print(f"| {n} | {med(row['ms']):.1f} | {med(row['ratio']):.3f} | {med(row['hook']):.1f} | "
+        # the bound of each round: max(its resident step, the link's time for the bytes that must move)
+        bound = med([ms / max(r, link_ms) for ms, r in zip(row["ms"], res_ms)])
+        print(f"| {n} | {med(row['ms']):.1f} | {med(row['ratio']):.3f} | {bound:.3f} | {med(row['hook']):.1f} | "
               f"{med(row['h2d']):.2f} | {med(row['trims']):.1f} | {'/'.join(sorted(row['pipe']))} | "
               f"{'yes' if row['equal'] else 'NO'} |")
 
