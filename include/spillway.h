@@ -259,6 +259,16 @@ SPW_API spw_status spw_buf_destroy(spw_buf *buf);
 SPW_API spw_status spw_buf_write(spw_buf *buf, size_t offset, const void *src, size_t bytes);
 SPW_API spw_status spw_buf_read(spw_buf *buf, size_t offset, void *dst, size_t bytes);
 SPW_API size_t spw_buf_size(const spw_buf *buf);
+/* The caller writes buf's host copy in place (an optimizer stepping master weights that a
+ * framework uploads) from spw_buf_host_begin to spw_buf_host_end, on any thread. The begin drops
+ * the device copy (written back first if dirty) and returns once no transfer into the host copy
+ * is in flight; until the end no upload reads the host copy: prefetches of buf move nothing,
+ * and spw_acquire, spw_evict, spw_buf_write, spw_buf_read, spw_discard and spw_buf_destroy
+ * return SPW_ERR_STATE. The end makes the host copy the contents; the next acquire uploads it.
+ * Begin on an acquired buffer, or twice, and an end without a begin, are SPW_ERR_STATE. Blocks
+ * only in the begin, for a write-back in flight. */
+SPW_API spw_status spw_buf_host_begin(spw_buf *buf);
+SPW_API spw_status spw_buf_host_end(spw_buf *buf);
 
 /* Make buf resident for work on `stream` and pin it there until spw_release. *devptr is valid
  * for work enqueued on stream after this call. Does not block the host on the transfer.

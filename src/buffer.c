@@ -62,6 +62,11 @@ static spw_status enter(spw_buf *b, const char *fn) {
 
 static void leave(spw_buf *b) { pthread_mutex_unlock(&b->ctx->lock); }
 
+/* Why a buffer with host_busy cannot be used now, for the error message. */
+static const char *busy_why(const spw_buf *b) {
+    return b->host_open ? "open for host writes (spw_buf_host_begin)" : "being written by spw_buf_write";
+}
+
 /* ---- policy queries (policy.h) ---- */
 
 spw_policy_node *spw__pol_node(spw_buf *b) { return &b->node; }
@@ -364,8 +369,11 @@ SPW_API spw_status spw_buf_destroy(spw_buf *b) {
     spw_status st = enter(b, "spw_buf_destroy");
     if (st) return st;
     spw_ctx *ctx = b->ctx;
-    if (b->acq) {
+    if (b->acq || b->host_open) {
         leave(b);
+        if (b->host_open)
+            return spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is open for host writes; "
+                              "spw_buf_host_end it first", (unsigned long long)b->id);
         return spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is acquired (%u times); release it first",
                           (unsigned long long)b->id, b->acq);
     }
@@ -413,8 +421,7 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
                           "mode %s would write it", fn, (unsigned long long)b->id,
                           mode == SPW_ACCESS_WRITE ? "WRITE" : "READ_WRITE");
     if (b->host_busy)
-        return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is being written by spw_buf_write", fn,
-                          (unsigned long long)b->id);
+        return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id, busy_why(b));
     if (b->policy_dead && (mode & SPW_ACCESS_READ)) {
         /* loud, never stale data: the program left the pattern the drop was based on */
         return spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were dropped by policy=plan, "
@@ -592,7 +599,8 @@ SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
 SPW_API spw_status spw_evict(spw_buf *b) {
     spw_status st;
     if ((st = enter(b, "spw_evict"))) return st;
-    st = b->host_busy ? spw__error(SPW_ERR_STATE, "spw_evict: buffer is being written by spw_buf_write")
+    st = b->host_busy ? spw__error(SPW_ERR_STATE, "spw_evict: buffer #%llu is %s", (unsigned long long)b->id,
+                                   busy_why(b))
                       : spw__res_evict_buf(b->ctx, b, true);
     leave(b);
     return st;
@@ -604,7 +612,7 @@ SPW_API spw_status spw_discard(spw_buf *b) {
     if (b->acq || b->host_busy) {
         leave(b);
         return spw__error(SPW_ERR_STATE, "spw_discard: buffer #%llu is %s", (unsigned long long)b->id,
-                          b->acq ? "acquired; release it first" : "being written by spw_buf_write");
+                          b->acq ? "acquired; release it first" : busy_why(b));
     }
     /* the device block (if any) stays for a later WRITE acquire; eviction just drops it */
     b->dead = true;
@@ -657,7 +665,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     if ((st = check_range(fn, b, off, src, n))) goto out;
     if (b->acq || b->host_busy) {
         st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                        b->acq ? "acquired; release it first" : "being written by another call");
+                        b->acq ? "acquired; release it first" : busy_why(b));
         goto out;
     }
     /* a partial write into a dirty buffer needs the rest of the contents on the host first */
@@ -691,6 +699,57 @@ out:
     return st;
 }
 
+SPW_API spw_status spw_buf_host_begin(spw_buf *b) {
+    const char *fn = "spw_buf_host_begin";
+    spw_status st;
+    if ((st = enter(b, fn))) return st;
+    spw_ctx *ctx = b->ctx;
+    if (b->acq || b->host_busy) {
+        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
+                        b->acq ? "acquired; release it first" : busy_why(b));
+        leave(b);
+        return st;
+    }
+    /* the device copy is about to be stale: written back if dirty (managed: migrated), dropped */
+    if (b->resident && (st = spw__res_evict_buf(ctx, b, true))) {
+        leave(b);
+        return spw__error_prefix(st, "%s: dropping the device copy of buffer #%llu", fn, (unsigned long long)b->id);
+    }
+    spw_host_wait w;
+    spw__copy_host_wait_collect(ctx, b, true, &w);
+    b->host_busy = true; /* from here no upload reads the host copy, no call writes it */
+    b->host_open = true;
+    pthread_mutex_unlock(&ctx->lock);
+    st = spw__copy_host_wait(ctx, &w); /* a write-back into the host copy still in flight */
+    if (st) {
+        pthread_mutex_lock(&ctx->lock);
+        b->host_busy = false;
+        b->host_open = false;
+        pthread_mutex_unlock(&ctx->lock);
+        return spw__error_prefix(st, "%s: waiting for the transfers into buffer #%llu", fn, (unsigned long long)b->id);
+    }
+    return SPW_OK;
+}
+
+SPW_API spw_status spw_buf_host_end(spw_buf *b) {
+    const char *fn = "spw_buf_host_end";
+    spw_status st;
+    if ((st = enter(b, fn))) return st;
+    if (!b->host_open) {
+        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is not open for host writes (no spw_buf_host_begin)", fn,
+                        (unsigned long long)b->id);
+    } else {
+        b->host_open = false;
+        b->host_busy = false;
+        b->hv = true; /* the host copy is the contents; the device copy was dropped at the begin */
+        b->dead = false;
+        b->policy_dead = false;
+        b->replica = false;
+    }
+    leave(b);
+    return st;
+}
+
 SPW_API spw_status spw_buf_read(spw_buf *b, size_t off, void *dst, size_t n) {
     const char *fn = "spw_buf_read";
     spw_status st;
@@ -699,7 +758,7 @@ SPW_API spw_status spw_buf_read(spw_buf *b, size_t off, void *dst, size_t n) {
     if ((st = check_range(fn, b, off, dst, n))) goto out;
     if (b->acq_writers || b->host_busy) {
         st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                        b->acq_writers ? "acquired for writing; release it first" : "being written by another call");
+                        b->acq_writers ? "acquired for writing; release it first" : busy_why(b));
         goto out;
     }
     if (ctx->engine->pops->on_host_read) ctx->engine->pops->on_host_read(ctx->engine->pol, b);

@@ -118,7 +118,9 @@ struct spw_buf {
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
     bool marking;     /* released with its record left to the prefetch worker (dev_rec false) */
     uint64_t rel_step; /* engine step of its last release (step_wait.c) */
-    bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped */
+    bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped, or the
+                       * caller writes it between spw_buf_host_begin and _end (host_open) */
+    bool host_open;   /* spw_buf_host_begin .. spw_buf_host_end */
     unsigned untracked;
 
     /* managed advice in effect (a refused advice leaves its flag false) */

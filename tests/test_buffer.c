@@ -149,6 +149,68 @@ static void test_states(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* spw_buf_host_begin .. _end: the caller writes the host copy in place; meanwhile nothing
+ * uploads it (prefetch moves nothing, acquire and the other calls are refused), a dirty device
+ * copy is written back first, and after the end an acquire uploads the new contents. */
+static void test_host_write_window(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU(); /* host callbacks stand in for kernels: they touch device memory */
+    spw_ctx *ctx = test_ctx("budget=64MiB");
+    spw_buf *b;
+    void *d = NULL;
+    uint8_t *out = malloc(MiB);
+    assert_ok(spw_buf_create(ctx, MiB, 0, &b));
+    test_fill_buf(b, 2);
+    /* a dirty device copy (every byte 3) is written back by the begin, then dropped */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ_WRITE, &d));
+    test_kfill kf = {d, MiB, 1, NULL};
+    assert_ok(spw_launch_host(ctx, NULL, add_cb, &kf));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_buf_host_begin(b));
+    assert_false(b->resident);
+    uint8_t *host = b->host;
+    for (size_t i = 0; i < MiB; i++)
+        if (host[i] != 3) fail_msg("byte %zu is %u after the begin, want the device's 3", i, host[i]);
+    /* while open: no upload, every other call refused, the contents the caller's */
+    spw_stats s0, s1;
+    assert_ok(spw_stats_get(ctx, &s0));
+    assert_ok(spw_prefetch(b, NULL));
+    assert_false(b->resident);
+    assert_status(spw_acquire(b, NULL, SPW_ACCESS_READ, &d), SPW_ERR_STATE);
+    assert_non_null(strstr(spw_last_error(), "open for host writes"));
+    assert_status(spw_evict(b), SPW_ERR_STATE);
+    assert_status(spw_buf_read(b, 0, out, 1), SPW_ERR_STATE);
+    assert_status(spw_buf_write(b, 0, out, 1), SPW_ERR_STATE);
+    assert_status(spw_discard(b), SPW_ERR_STATE);
+    assert_status(spw_buf_destroy(b), SPW_ERR_STATE);
+    assert_status(spw_buf_host_begin(b), SPW_ERR_STATE);
+    assert_ok(spw_stats_get(ctx, &s1));
+    assert_int_equal(s1.bytes_h2d.total, s0.bytes_h2d.total);
+    memset(host, 9, MiB);
+    assert_ok(spw_buf_host_end(b));
+    assert_status(spw_buf_host_end(b), SPW_ERR_STATE);
+    /* the next acquire uploads what the caller wrote */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    kcopy kc = {d, out, MiB};
+    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], 9);
+    /* an acquired buffer cannot be opened; a plain one opens and closes with nothing resident */
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    assert_status(spw_buf_host_begin(b), SPW_ERR_STATE);
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_buf_host_begin(b));
+    assert_ok(spw_buf_host_end(b));
+    check_contents(b, 9);
+    assert_status(spw_buf_host_begin(NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_buf_host_end(NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_ok(spw_buf_destroy(b));
+    assert_held_ok(ctx);
+    free(out);
+    spw_ctx_destroy(ctx);
+}
+
 /* Nested acquires and two streams: pinned until the last release, chained last-use events. */
 static void test_nested_and_streams(void **state) {
     (void)state;
@@ -801,6 +863,7 @@ static void test_options_stats_trace(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_states),         cmocka_unit_test(test_nested_and_streams),
+        cmocka_unit_test(test_host_write_window),
         cmocka_unit_test(test_streaming_calls), cmocka_unit_test(test_release_acquire),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),

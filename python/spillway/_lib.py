@@ -152,6 +152,8 @@ _SIGNATURES = {
     "spw_buf_write": (status_t, [buf_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]),
     "spw_buf_read": (status_t, [buf_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]),
     "spw_buf_size": (ctypes.c_size_t, [buf_p]),
+    "spw_buf_host_begin": (status_t, [buf_p]),
+    "spw_buf_host_end": (status_t, [buf_p]),
     "spw_acquire": (status_t, [buf_p, stream_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
     "spw_release": (status_t, [buf_p, stream_t]),
     "spw_release_acquire": (

@@ -549,6 +549,26 @@ class Buffer(_Closeable):
         finally:
             self.release(stream)
 
+    def host_begin(self) -> None:
+        """The caller is about to write the host copy in place (an optimizer stepping master
+        weights): the device copy is dropped (written back first if dirty), and until
+        host_end() nothing uploads the host copy (prefetches move nothing; acquire, evict,
+        read, write, discard and close raise StateError). StateError while acquired or open."""
+        check(lib.spw_buf_host_begin(self._live()))
+
+    def host_end(self) -> None:
+        """End host_begin(): the host copy is the contents; the next acquire uploads it."""
+        check(lib.spw_buf_host_end(self._live()))
+
+    @contextlib.contextmanager
+    def host_writes(self) -> Iterator[None]:
+        """`with buf.host_writes(): ...`: host_begin(), then host_end() on exit."""
+        self.host_begin()
+        try:
+            yield
+        finally:
+            self.host_end()
+
     def prefetch(self, stream: StreamLike = None) -> None:
         """Hint: start moving to the device, ordered before later work on stream."""
         check(lib.spw_prefetch(self._live(), stream_ptr(stream)))

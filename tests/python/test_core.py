@@ -194,6 +194,29 @@ def test_register_host_and_dirty_write_back():
             ctx.register_host(b"immutable")
 
 
+def test_host_writes_window():
+    host = bytearray(b"\x01" * 8192)
+    with emu() as ctx:
+        buf = ctx.register_host(host, read_only=False)
+        with buf.acquired("r"):
+            pass
+        assert ctx.stats()["bytes_h2d"]["total"] == 8192
+        with buf.host_writes():
+            host[:8] = b"\x05" * 8  # the caller's in-place write
+            buf.prefetch()  # moves nothing while open
+            assert ctx.stats()["bytes_h2d"]["total"] == 8192
+            with pytest.raises(spillway.StateError, match="open for host writes"):
+                buf.acquire()
+            with pytest.raises(spillway.StateError, match="open for host writes"):
+                buf.host_begin()
+        with pytest.raises(spillway.StateError, match="not open"):
+            buf.host_end()
+        with buf.acquired("r") as dev:
+            ctx.synchronize()
+            assert ctypes.string_at(dev, 9) == b"\x05" * 8 + b"\x01"  # uploaded again, the new bytes
+        assert ctx.stats()["bytes_h2d"]["total"] == 2 * 8192
+
+
 def test_read_only_buffer_refuses_write_access():
     with emu() as ctx:
         buf = ctx.buffer(4096, read_only=True)
