@@ -47,6 +47,8 @@ Variants, one process each (this file with --child)
   spillway-c       the same with host_update="spillway": opt's steps in spillway's C AdamW
   spillway-c-ckpt  spillway-c with activation checkpointing (as the checkpointing variant): the
                    blocks' activations recomputed in the backward instead of streamed
+  spillway-c-overlap  spillway-c with overlap_update=True: the C step runs beside the next
+                   forward (a step's time then holds the last step's update, wherever it ends)
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
                    optimizer=opt) without a budget: one budget over everything on the device
 Each spillway variant runs once per --budget; the peers run uncapped and say which budgets
@@ -115,9 +117,9 @@ if (ROOT / "python" / "spillway").is_dir():
     sys.path.insert(0, str(ROOT / "python"))
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
-            "spillway", "spillway-c", "spillway-c-ckpt", "spillway-alloc"]
+            "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-alloc"]
 CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt"}  # gradient_checkpointing_enable
-C_STEP = {"spillway-c", "spillway-c-ckpt"}  # host_update="spillway"
+C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap"}  # host_update="spillway"
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -494,6 +496,8 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             opt = adamw(trained, "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
             kw["host_update"] = "spillway" if name in C_STEP else "torch"
+            if name == "spillway-c-overlap":
+                kw["overlap_update"] = True
             if name != "spillway-alloc":
                 kw["budget"] = budget
             off = spt.offload(model, optimizer=opt, **kw)

@@ -91,6 +91,7 @@ def train(m: nn.Module, ref: nn.Module, make_opt: Callable[[nn.Module], torch.op
         opt.zero_grad(set_to_none=set_to_none)
         opt_ref.zero_grad(set_to_none=set_to_none)
         scope.__exit__(None, None, None)
+    off.synchronize()  # overlap_update: the last step's update may still run
     assert_params_equal(m, ref, grads=True)
     packs = [(u.pack.data_ptr(), u.pack.data_ptr() + u.pack.numel()) for u in off.units]
     for sub in m.modules():  # every slot holds its Parameter again, a view into its unit's pack
@@ -385,6 +386,82 @@ def test_adamw_by_spillways_c_step(amsgrad):
     finish(off, m, ref, stack_batches(9)[0])
 
 
+@pytest.mark.parametrize("micro,clip", [(1, 0.0), (4, 1.0)])
+def test_overlapped_update_is_the_same_update(micro, clip):
+    """overlap_update=True: the C AdamW runs beside the next forward (two parameter groups,
+    accumulation, clipping); every loss, gradient and parameter bitwise equal to the resident
+    model's torch AdamW, as without the overlap."""
+    def groups(mod: nn.Module) -> torch.optim.Optimizer:
+        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+        return torch.optim.AdamW([{"params": weights, "lr": 1e-3, "weight_decay": 0.1},
+                                  {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
+    m = stack(5)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, groups, stack_batches, mse, micro=micro, clip=clip, overlap_update=True)
+    assert off.c_steps == STEPS
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_overlapped_update_is_finished_where_it_is_read():
+    """Right after opt.step() the update may still run: module.state_dict(), opt.state_dict(),
+    opt.zero_grad(set_to_none=False) and remove() finish it first, so each sees (or zeroes after)
+    the updated values; a failure in the update is raised at the next forward, the units are
+    usable again and remove() works."""
+    m = stack(6)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, overlap_update=True, **EMU)
+    x = stack_batches(0)[0]
+
+    def both_step():
+        for model, o in ((m, opt), (ref, opt_ref)):
+            mse(model, x).backward()
+            o.step()
+        assert off._update is not None  # the step went through the overlap
+
+    both_step()
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    assert off._update is None and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref)
+    opt.zero_grad(set_to_none=True)
+    opt_ref.zero_grad(set_to_none=True)
+    both_step()
+    st, st_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
+    assert off._update is None
+    assert all(torch.equal(st[i]["exp_avg_sq"], st_ref[i]["exp_avg_sq"]) for i in st_ref)
+    opt.zero_grad(set_to_none=True)
+    opt_ref.zero_grad(set_to_none=True)
+    both_step()
+    opt.zero_grad(set_to_none=False)  # zeroes the gradients the update reads: after it
+    opt_ref.zero_grad(set_to_none=False)
+    assert off._update is None
+    assert_params_equal(m, ref, grads=True)
+    # a failure in the update: raised at the next forward; the offload goes on and comes off
+    from spillway import optim as spw_optim
+    real, calls = spw_optim.adamw_step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    spw_optim.adamw_step = failing
+    try:
+        mse(m, x).backward()
+        opt.step()
+        with pytest.raises(spillway.StateError, match="update on the host failed: injected failure"):
+            mse(m, x)
+    finally:
+        spw_optim.adamw_step = real
+    assert torch.isfinite(mse(m, x))  # every unit usable again
+    both_step()
+    off.remove()
+    assert "state_dict" not in m.__dict__ and "zero_grad" not in opt.__dict__ and "state_dict" not in opt.__dict__
+    assert not any("forward" in sub.__dict__ for sub in m.modules())
+
+
 def test_host_update_falls_back_to_the_optimizers_own_step():
     m = stack(4)
     ref = copy.deepcopy(m)
@@ -394,6 +471,12 @@ def test_host_update_falls_back_to_the_optimizers_own_step():
     finish(off, m, ref, stack_batches(9)[0])
     with pytest.raises(spillway.ConfigError, match="host_update"):
         spt.offload(stack(), budget="4MiB", optimizer=None, host_update="c", **EMU)
+    with pytest.raises(spillway.ConfigError, match="overlap_update.*no optimizer"):
+        spt.offload(stack(), budget="4MiB", overlap_update=True, **EMU)
+    m = stack()
+    with pytest.raises(spillway.ConfigError, match="overlap_update.*host_update is 'torch'"):
+        spt.offload(m, budget="4MiB", optimizer=torch.optim.AdamW(m.parameters()), host_update="torch",
+                    overlap_update=True, **EMU)
 
 
 # ---- activations saved for backward, kept under the same budget ----

@@ -13,7 +13,7 @@ from ._pipeline import offload_all
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
-            host_update: str = "spillway", **options: Any) -> Any:
+            host_update: str = "spillway", overlap_update: bool = False, **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -57,6 +57,14 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     lacks (foreach, fused, capturable, a closure); otherwise, and for every other optimizer,
     opt's own step runs. "torch": always opt's own step (on the host: torch's CPU kernels,
     bitwise what opt computes on a CPU model).
+    overlap_update: with optimizer= and the C AdamW (host_update="spillway"), opt.step() starts
+    the update on a background thread and returns; it runs unit by unit in the order of the
+    forward, and the next forward waits for each unit's update only when it reaches it, so the
+    update overlaps the forward instead of preceding it. The update is finished by the end of
+    the next forward, the next opt.step(), opt.zero_grad(set_to_none=False), opt.state_dict(),
+    the module's state_dict(), Offload.synchronize() and remove(); anything else that reads the
+    parameters or opt's state before those must call Offload.synchronize() first. Off by
+    default. Results are bitwise those of overlap_update=False.
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward
@@ -77,6 +85,11 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     block_list = None if blocks is None else list(blocks)
     if host_update not in ("torch", "spillway"):
         raise ConfigError(f"offload: host_update must be 'torch' or 'spillway', got {host_update!r}")
+    if overlap_update and (optimizer is None or host_update != "spillway"):
+        raise ConfigError("offload: overlap_update=True overlaps spillway's host update (optimizer= with "
+                          "host_update='spillway') with the next forward; "
+                          + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
     stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
-                          optimizer=optimizer, activations=bool(stash), host_update=host_update)
+                          optimizer=optimizer, activations=bool(stash), host_update=host_update,
+                          overlap_update=bool(overlap_update))

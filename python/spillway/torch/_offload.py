@@ -87,7 +87,7 @@ from .. import _lib
 from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _patch, _report, _setup, _train, _views
+from . import _alloc, _overlap, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _ARENA_PAGE, _resolve_device
 from ._errors import OutOfMemoryError
@@ -133,7 +133,8 @@ class Offload:
     def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
-               activations: bool = False, host_update: str = "spillway") -> "Offload":
+               activations: bool = False, host_update: str = "spillway",
+               overlap_update: bool = False) -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         _setup.check_new(module)
@@ -184,6 +185,12 @@ class Offload:
         self._stash_next = 0  # stashes so far in this step
         self._open_step = False  # a step left open by a forward (see _top_forward)
         self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
+        # overlap_update: that C step runs beside the next forward (_overlap.py); _update is the
+        # one in flight, _update_pool the threads it runs on (made at the first).
+        self.overlap_update = overlap_update
+        self._update: Optional[_overlap.Update] = None
+        self._update_pool: Any = None
+        self._sync_wraps: List[Tuple[Any, str, bool, Any, Any]] = []  # _overlap.wrap_sync_points
         self.c_steps = 0
         self.activations_stashed = 0
         self.activation_bytes = 0
@@ -249,6 +256,8 @@ class Offload:
             self._install(module, hooked)
             if self._train:
                 _train.wrap_step(self, optimizer)
+                if overlap_update:
+                    _overlap.wrap_sync_points(self, optimizer)
         except BaseException:
             _patch.undo(self)
             raise
@@ -364,6 +373,8 @@ class Offload:
         if u.refs:
             u.refs += 1
             return
+        if self._update is not None and u.trains:
+            self._update.wait_for(u)  # the optimizer's update of its parameters runs beside this forward
         stream = self._raw_stream(self._dev_index) or None
         ptr = self._acquire_raw(u, stream)
         dset = u.dev_set if u.dev_at == ptr else self._place(u, ptr, stream)
@@ -564,9 +575,10 @@ class Offload:
         grad_enabled = torch.is_grad_enabled
 
         def trained_forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            """A trained unit: under grad the general path (_acquire swaps in _train.ToHost aliases);
-            under no_grad or inference_mode the common case above."""
-            if mod is module and grad_enabled():
+            """A trained unit: under grad, or while the optimizer's update may still write it, the
+            general path (_acquire swaps in _train.ToHost aliases, and waits for the update);
+            otherwise the common case above."""
+            if mod is module and (grad_enabled() or self._update is not None):
                 return self._units_call(inner, inner_units if self._depth else every, args, kwargs, clock())
             return fast(mod, *args, **kwargs)
 
@@ -691,6 +703,8 @@ class Offload:
                 if auto_step and not spans:
                     self._step_end()
                 self._depth = 0
+                if self._update is not None:  # every unit it updates was waited for, or unused
+                    self.synchronize()
 
     def _end_open_step(self) -> None:
         """End the step a forward left open (activations kept in the budget)."""
@@ -744,6 +758,16 @@ class Offload:
         hook time per acquire, then the library's table."""
         self._live()
         return _report.summary(self)
+
+    def synchronize(self) -> None:
+        """Wait for the optimizer's update still running beside the forward (overlap_update=True)
+        and raise its error (a StateError naming it); nothing to do otherwise."""
+        upd, self._update = self._update, None
+        if upd is None:
+            return
+        err = upd.finish()
+        if err is not None:
+            raise StateError(f"spillway.torch: the optimizer's update on the host failed: {err}") from err
 
     # ------------------------------------------------------------------ removal
     def remove(self) -> None:

@@ -54,8 +54,22 @@ def undo(off: Any) -> None:
             off._end_open_step()
         except _errors.Error:
             pass  # the context goes anyway; nothing to keep
+    upd = getattr(off, "_update", None)
+    if upd is not None:  # its error is the caller's to see before; the parameters stay as it left them
+        off._update = None
+        upd.finish()
     off._closed = True
     ACTIVE.pop(off.module, None)
+    for obj, name, had, prev, ours in reversed(getattr(off, "_sync_wraps", [])):
+        if obj.__dict__.get(name) is ours:
+            if had:
+                setattr(obj, name, prev)
+            else:
+                delattr(obj, name)
+    off._sync_wraps = []
+    if getattr(off, "_update_pool", None) is not None:
+        off._update_pool.close()
+        off._update_pool = None
     if getattr(off, "_step_wrap", None) is not None:
         _train.unwrap_step(off)
     for m, had, old in reversed(getattr(off, "_wrapped", [])):

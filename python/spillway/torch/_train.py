@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import _lib
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from . import _overlap
 from ._units import _Unit
 
 _lib_c = _lib.lib
@@ -187,13 +188,17 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
             args = (fresh(args[0]),) + args[1:]
         elif kwargs.get("closure") is not None:
             kwargs["closure"] = fresh(kwargs["closure"])
+        off.synchronize()  # the last step's update, if it still runs beside the forward
         off._landing.land()
         done: set = set()
         try:
-            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
-                    c_adamw_step(opt, off, done):
-                off.c_steps += 1
-                return None
+            if off.host_update == "spillway" and not args and kwargs.get("closure") is None:
+                if off.overlap_update and _overlap_start(off, opt, done):
+                    off.c_steps += 1
+                    return None
+                if not off.overlap_update and c_adamw_step(opt, off, done):
+                    off.c_steps += 1
+                    return None
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off, done)
@@ -209,6 +214,24 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     bound = types.MethodType(step, opt)
     opt.step = bound  # type: ignore[method-assign]
     off._step_wrap = (opt, had, prev, bound)
+
+
+def _overlap_start(off: Any, opt: torch.optim.Optimizer, done: set) -> bool:
+    """Start opt's C AdamW update beside the next forward (_overlap.Update); False, nothing
+    done, where the C step does not apply. done gets the units it opened (their device copies
+    are dropped already)."""
+    work = adamw_work(opt, off)
+    if work is None:
+        return False
+    if off._update_pool is None:
+        off._update_pool = _overlap.new_pool()
+    upd = _overlap.Update(work, off._update_pool)
+    upd.start()
+    off._update = upd
+    opened = {u.index for u, _ in work if u is not None}
+    off.step_evictions += len(opened)  # their device copies went with the begin
+    done.update(opened)
+    return True
 
 
 def unwrap_step(off: Any) -> None:
@@ -280,17 +303,16 @@ def _c_eligible(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
-def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
-    """opt.step() of a torch.optim.AdamW by spillway's C kernels (spillway.optim.adamw_step, all
-    cores, vectorized), on opt's own state (state["step"], "exp_avg", "exp_avg_sq",
-    "max_exp_avg_sq" initialized as torch does, so state_dict() and a later torch step carry
-    on). False, nothing done, when _c_eligible says no: the caller runs torch's step. With off
-    (an Offload), unit by unit in the order of the units (the forward's, as a rule), each unit
-    renewed (_renew) as soon as its parameters are done, its index added to done; every
-    parameter's update is the same whatever the order."""
+def adamw_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[List[Tuple[Optional[_Unit], List[Dict[str, Any]]]]]:
+    """opt.step()'s work for spillway's C AdamW, or None (nothing done) when _c_eligible says no:
+    (unit, the keyword arguments of each spillway.optim.adamw_step call for its parameters), in
+    the order of the units (the forward's, as a rule; parameters in no unit first). Everything a
+    step reads from opt is taken now: its state initialized as torch does (state["step"],
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", so state_dict() and a later torch step carry on)
+    and each step count incremented; the hyper-parameters are copied into the calls, so that a
+    scheduler changing them afterwards changes the next step only."""
     if not _c_eligible(opt):
-        return False
-    from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
+        return None
     pu = off._param_unit if off is not None else {}
     # unit index (-1: none) -> group index -> its parameters with a gradient, in the group's order
     work: Dict[int, Dict[int, list]] = {}
@@ -300,8 +322,10 @@ def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set
                 u = pu.get(id(p))
                 work.setdefault(u.index if u is not None else -1, {}).setdefault(gi, []).append(p)
     units = {u.index: u for u in pu.values()}
+    out: List[Tuple[Optional[_Unit], List[Dict[str, Any]]]] = []
     with torch.no_grad():
         for ui in sorted(work):
+            calls: List[Dict[str, Any]] = []
             for gi, params in work[ui].items():
                 g = opt.param_groups[gi]
                 by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
@@ -318,10 +342,28 @@ def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set
                     for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
                         lst.append(t)
                 for step, (ps, gs, m1, m2, mx) in by_step.items():
-                    spw_optim.adamw_step(ps, gs, m1, m2, step, lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                                         weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
-                                         maximize=g.get("maximize", False))
-            if ui >= 0 and done is not None:
-                _renew(off, units[ui])
-                done.add(ui)
+                    calls.append(dict(params=ps, grads=gs, exp_avgs=m1, exp_avg_sqs=m2, step=step, lr=g["lr"],
+                                      betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
+                                      max_exp_avg_sqs=mx if g["amsgrad"] else None,
+                                      maximize=g.get("maximize", False)))
+            out.append((units[ui] if ui >= 0 else None, calls))
+    return out
+
+
+def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
+    """opt.step() of a torch.optim.AdamW by spillway's C kernels (spillway.optim.adamw_step, all
+    cores, vectorized), on opt's own state (adamw_work). False, nothing done, when _c_eligible
+    says no: the caller runs torch's step. With off (an Offload), unit by unit in the order of
+    the units, each unit renewed (_renew) as soon as its parameters are done, its index added to
+    done; every parameter's update is the same whatever the order."""
+    work = adamw_work(opt, off)
+    if work is None:
+        return False
+    from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
+    for unit, calls in work:
+        for c in calls:
+            spw_optim.adamw_step(**c)
+        if unit is not None and done is not None:
+            _renew(off, unit)
+            done.add(unit.index)
     return True

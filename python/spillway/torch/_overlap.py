@@ -1,0 +1,161 @@
+"""offload(optimizer=opt, overlap_update=True): opt.step() starts spillway's C AdamW update on a
+background thread and returns; the update runs unit by unit in the order of the forward, and the
+next forward waits for each unit's update only when it reaches that unit, so the host update and
+the forward's work overlap instead of following each other.
+
+Contracts:
+- Each unit whose parameters the step updates has its host copy open for writes
+  (spw_buf_host_begin) from opt.step() until its update is done: its device copy is dropped at
+  once, and nothing uploads the host copy meanwhile (the plan's prefetches of it move nothing);
+  the end makes the updated host copy the contents.
+- The work (which tensors, the step counts, the hyper-parameters) is taken in opt.step() on the
+  caller's thread (_train.adamw_work); only the C kernels run on the background thread, with the
+  interpreter lock released, on a pool that leaves two of the process's CPUs to the caller.
+- The update is finished (waited for, and its error raised, as a StateError naming it) by the
+  end of the next top-level forward, the next opt.step(), opt.zero_grad(set_to_none=False),
+  opt.state_dict(), the module's state_dict(), Offload.synchronize() and remove(). Anything
+  else that reads the host Parameters or the optimizer's state before those (a reference kept
+  to a parameter, an average of the weights taken right after the step) must call
+  Offload.synchronize() first: until then the values are being written.
+- A failure in the update ends every open host copy (so nothing is left refused) and is raised
+  at the next of those points; parameters not reached keep their old values.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+import types
+import weakref
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .. import _lib
+from .. import optim as spw_optim
+from ..errors import error_for
+from ._units import _Unit
+
+_lib_c = _lib.lib
+
+
+def pool_threads() -> int:
+    """Threads for an update that runs beside the caller's forward: the process's CPUs but two
+    (the caller's thread and the device driver's), at least one."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 2
+    return max(1, n - 2)
+
+
+def new_pool() -> Any:
+    """The threads an offload's overlapped updates run on (pool_threads of them)."""
+    return spw_optim.Pool(pool_threads())
+
+
+def wrap_sync_points(off: Any, opt: Any) -> None:
+    """Make opt.zero_grad(set_to_none=False) (which zeroes the gradients the update reads),
+    opt.state_dict() and the module's state_dict() finish the update in flight first
+    (Offload.synchronize). Instance attributes, methods bound to their objects (a deep copy binds
+    the copy, which finishes nothing); off._sync_wraps keeps what remove() puts back."""
+    ref = weakref.ref(off)
+
+    def zeroes(args: Tuple[Any, ...], kwargs: Dict[str, Any], default: bool) -> bool:
+        set_to_none = kwargs.get("set_to_none", args[0] if args else default)
+        return not set_to_none
+
+    def wrap(obj: Any, name: str, needs: Any) -> None:
+        had = name in obj.__dict__
+        prev = obj.__dict__.get(name)
+        inner = getattr(obj, name)
+
+        def call(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            if self_ is not obj:  # a copy: its class's method
+                return getattr(type(self_), name)(self_, *args, **kwargs)
+            o = ref()
+            if o is not None and not o._closed and o._update is not None and needs(args, kwargs):
+                o.synchronize()
+            return inner(*args, **kwargs)
+
+        functools.update_wrapper(call, inner)
+        bound = types.MethodType(call, obj)
+        setattr(obj, name, bound)
+        off._sync_wraps.append((obj, name, had, prev, bound))
+
+    param = inspect.signature(opt.zero_grad).parameters.get("set_to_none")
+    default = bool(param.default) if param is not None and param.default is not inspect.Parameter.empty else True
+    wrap(opt, "zero_grad", lambda a, k: zeroes(a, k, default))
+    wrap(opt, "state_dict", lambda a, k: True)
+    wrap(off.module, "state_dict", lambda a, k: True)
+
+
+class Update:
+    """One optimizer step's host update, running on its own thread (see the module docstring)."""
+
+    __slots__ = ("work", "pool", "thread", "error", "cond", "done", "finished", "open")
+
+    def __init__(self, work: List[Tuple[Optional[_Unit], List[Dict[str, Any]]]], pool: Any) -> None:
+        self.work = work
+        self.pool = pool
+        self.error: Optional[BaseException] = None
+        self.cond = threading.Condition()
+        self.done: Set[int] = set()  # indices of the units whose update ended
+        self.finished = False
+        self.open: List[_Unit] = []  # units whose host copy this update opened and has not ended
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Open the host copy of every unit the step updates (their device copies are dropped),
+        then start the thread. On a failure to open, what was opened is ended and it raises."""
+        try:
+            for unit, _ in self.work:
+                if unit is not None:
+                    st = _lib_c.spw_buf_host_begin(unit.handle)
+                    if st:
+                        raise error_for(st)
+                    self.open.append(unit)
+        except BaseException:
+            self._end_open()
+            raise
+        self.thread = threading.Thread(target=self._run, name="spillway-optimizer-update", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for unit, calls in self.work:
+                for c in calls:
+                    spw_optim.adamw_step(pool=self.pool, **c)
+                if unit is not None:
+                    self.open.remove(unit)
+                    st = _lib_c.spw_buf_host_end(unit.handle)
+                    with self.cond:
+                        self.done.add(unit.index)
+                        self.cond.notify_all()
+                    if st:
+                        raise error_for(st)
+        except BaseException as e:  # raised to the caller at the next point that finishes the update
+            self.error = e
+        finally:
+            self._end_open()
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def _end_open(self) -> None:
+        while self.open:
+            _lib_c.spw_buf_host_end(self.open.pop().handle)
+
+    def updated(self, unit: _Unit) -> bool:
+        return unit.index in self.done or self.finished
+
+    def wait_for(self, unit: _Unit) -> None:
+        """Return once unit's update ended (or the whole update did, also by failing)."""
+        with self.cond:
+            while unit.index not in self.done and not self.finished:
+                self.cond.wait()
+
+    def finish(self) -> Optional[BaseException]:
+        """Wait for the whole update; its error, if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+        return self.error
