@@ -92,11 +92,13 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
 class Update:
     """One optimizer step's host update, running on its own thread (see the module docstring)."""
 
-    __slots__ = ("work", "pool", "thread", "error", "cond", "done", "finished", "open")
+    __slots__ = ("work", "pool", "stream", "thread", "error", "cond", "done", "finished", "open")
 
-    def __init__(self, work: List[Tuple[Optional[_Unit], List[Dict[str, Any]]]], pool: Any) -> None:
+    def __init__(self, work: List[Tuple[Optional[_Unit], List[Dict[str, Any]]]], pool: Any,
+                 stream: Optional[int]) -> None:
         self.work = work
         self.pool = pool
+        self.stream = stream  # the caller's stream at the step: each updated unit's upload is ordered on it
         self.error: Optional[BaseException] = None
         self.cond = threading.Condition()
         self.done: Set[int] = set()  # indices of the units whose update ended
@@ -128,11 +130,15 @@ class Update:
                 if unit is not None:
                     self.open.remove(unit)
                     st = _lib_c.spw_buf_host_end(unit.handle)
+                    if st:
+                        raise error_for(st)
+                    # start its upload now, as the step without the overlap does: the forward that
+                    # waits for this unit then waits less (a hint: a declined or failed one changes
+                    # nothing but the wait)
+                    _lib_c.spw_prefetch(unit.handle, self.stream)
                     with self.cond:
                         self.done.add(unit.index)
                         self.cond.notify_all()
-                    if st:
-                        raise error_for(st)
         except BaseException as e:  # raised to the caller at the next point that finishes the update
             self.error = e
         finally:

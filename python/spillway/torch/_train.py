@@ -225,7 +225,7 @@ def _overlap_start(off: Any, opt: torch.optim.Optimizer, done: set) -> bool:
         return False
     if off._update_pool is None:
         off._update_pool = _overlap.new_pool()
-    upd = _overlap.Update(work, off._update_pool)
+    upd = _overlap.Update(work, off._update_pool, off._stream())
     upd.start()
     off._update = upd
     opened = {u.index for u, _ in work if u is not None}
