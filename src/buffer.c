@@ -62,6 +62,15 @@ static spw_status enter(spw_buf *b, const char *fn) {
 
 static void leave(spw_buf *b) { pthread_mutex_unlock(&b->ctx->lock); }
 
+/* The caller wrote the host copy: it holds the contents, live and neither dropped by the policy
+ * nor mirrored by a read-mostly replica (the write invalidated the replica's pages). */
+static void host_written(spw_buf *b) {
+    b->hv = true;
+    b->dead = false;
+    b->policy_dead = false;
+    b->replica = false;
+}
+
 /* Why a buffer with host_busy cannot be used now, for the error message. */
 static const char *busy_why(const spw_buf *b) {
     return b->host_open ? "open for host writes (spw_buf_host_begin)" : "being written by spw_buf_write";
@@ -370,12 +379,12 @@ SPW_API spw_status spw_buf_destroy(spw_buf *b) {
     if (st) return st;
     spw_ctx *ctx = b->ctx;
     if (b->acq || b->host_open) {
+        st = b->host_open ? spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is %s", (unsigned long long)b->id,
+                                       busy_why(b))
+                          : spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is acquired (%u times); "
+                                       "release it first", (unsigned long long)b->id, b->acq);
         leave(b);
-        if (b->host_open)
-            return spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is open for host writes; "
-                              "spw_buf_host_end it first", (unsigned long long)b->id);
-        return spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is acquired (%u times); release it first",
-                          (unsigned long long)b->id, b->acq);
+        return st;
     }
     atomic_store(&b->magic, SPW_BUF_DYING); /* from here nothing else touches b */
     spw_host_wait w;
@@ -680,10 +689,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     pthread_mutex_lock(&ctx->lock);
     b->host_busy = false;
     if (st) goto out;
-    b->hv = true;
-    b->dead = false;
-    b->policy_dead = false;
-    b->replica = false; /* the host write invalidated any read-mostly replica's pages */
+    host_written(b);
     if (!b->managed && b->resident) {
         /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
         if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) {
@@ -741,10 +747,7 @@ SPW_API spw_status spw_buf_host_end(spw_buf *b) {
     } else {
         b->host_open = false;
         b->host_busy = false;
-        b->hv = true; /* the host copy is the contents; the device copy was dropped at the begin */
-        b->dead = false;
-        b->policy_dead = false;
-        b->replica = false;
+        host_written(b); /* the device copy was dropped at the begin */
     }
     leave(b);
     return st;

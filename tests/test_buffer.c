@@ -26,6 +26,17 @@ static void copy_cb(void *a) {
     memcpy(k->dst, k->src, k->n);
 }
 
+/* Copy b's device copy (uploaded by a READ acquire if need be) to out, as a kernel reading it
+ * would, and wait for it. */
+static void read_device(spw_ctx *ctx, spw_buf *b, uint8_t *out) {
+    void *d = NULL;
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    kcopy kc = {d, out, spw_buf_size(b)};
+    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
+    assert_ok(spw_release(b, NULL));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+}
+
 static void assert_held_ok(spw_ctx *ctx) {
     spw_stats st;
     assert_ok(spw_stats_get(ctx, &st));
@@ -136,12 +147,8 @@ static void test_states(void **state) {
     assert_ok(spw_buf_read(b, 0, out, MiB));
     for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], (i >= 100 && i < 116) ? 5 : 4);
     /* ... and the device copy saw it too */
-    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
     memset(out, 0, MiB);
-    kc.src = d;
-    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
-    assert_ok(spw_release(b, NULL));
-    assert_ok(spw_stream_synchronize(ctx, NULL));
+    read_device(ctx, b, out);
     for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], (i >= 100 && i < 116) ? 5 : 4);
     assert_ok(spw_buf_destroy(b));
     assert_held_ok(ctx);
@@ -190,11 +197,7 @@ static void test_host_write_window(void **state) {
     assert_ok(spw_buf_host_end(b));
     assert_status(spw_buf_host_end(b), SPW_ERR_STATE);
     /* the next acquire uploads what the caller wrote */
-    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
-    kcopy kc = {d, out, MiB};
-    assert_ok(spw_launch_host(ctx, NULL, copy_cb, &kc));
-    assert_ok(spw_release(b, NULL));
-    assert_ok(spw_stream_synchronize(ctx, NULL));
+    read_device(ctx, b, out);
     for (size_t i = 0; i < MiB; i++) assert_int_equal(out[i], 9);
     /* an acquired buffer cannot be opened; a plain one opens and closes with nothing resident */
     assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));

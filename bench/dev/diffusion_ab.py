@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 from spillway.torch import _partition  # noqa: E402
+from spillway.torch._report import _median_us  # noqa: E402
 
 
 def parse_variant(text):
@@ -65,8 +66,8 @@ def main():
     budget = int(total * float(a.budget)) if "." in a.budget else int(a.budget)
     kw = inputs()
     step = lambda: model(**kw)  # noqa: E731
-    variants = [parse_variant(v) for v in a.variants.split(";")]
-    names = [v for v in a.variants.split(";")]
+    names = a.variants.split(";")
+    variants = dict(zip(names, map(parse_variant, names)))
     rows = {n: {"ms": [], "ratio": [], "hook": [], "h2d": [], "trims": [], "pipe": set(), "equal": True} for n in names}
     res_ms = []
     with torch.no_grad():
@@ -80,7 +81,7 @@ def main():
             torch.cuda.empty_cache()
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
-                policy, opts = variants[names.index(n)]
+                policy, opts = variants[n]
                 opts = dict(opts)
                 cap = int(opts.pop("unit_max", 0))
                 bounds = _partition.bounds
@@ -99,7 +100,6 @@ def main():
                 row["ms"].append(ms)
                 row["ratio"].append(ms / res)
                 steady = [y - x for x, y in zip(hist0, h._hook_hist)]
-                from spillway.torch._report import _median_us
                 row["hook"].append(_median_us(steady))
                 row["h2d"].append((s1["bytes_h2d"]["total"] - s0["bytes_h2d"]["total"]) / a.steps / 2**30)
                 row["trims"].append((s1["trim_syncs"]["total"] - s0["trim_syncs"]["total"]) / a.steps)

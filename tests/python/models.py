@@ -142,6 +142,22 @@ def moved(off, fn):
     return out
 
 
+def fail_at_call(monkeypatch, owner, name: str, n: int) -> list:
+    """Replace owner.name (through monkeypatch) by the original that raises
+    RuntimeError("injected failure") at its n-th call instead; returns the list the calls are
+    counted in (one entry a call)."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
 class Checkpointed(nn.Module):
     """Blocks run under torch.utils.checkpoint: their saved tensors belong to checkpoint's hooks
     in forward, and their recomputation in backward calls the offloaded blocks again."""

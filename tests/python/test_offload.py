@@ -14,7 +14,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import check_backward_composes, frozen, greedy, make_decoder, make_stack, moved, same
+from models import check_backward_composes, fail_at_call, frozen, greedy, make_decoder, make_stack, moved, same
 
 MiB = 1 << 20
 EMU = dict(backend="emu")
@@ -446,22 +446,14 @@ def test_a_failure_midway_through_offload_puts_everything_back(monkeypatch, stag
     frozen(m)
     ref = copy.deepcopy(m)
     snap = snapshot(m)
+
     def storage_bytes(t):
         return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).nbytes()
 
     storage = {n: storage_bytes(t) for n, (t, *_r) in snap.items()}
     cls = type(m)
-    target = {"pack": (_views, "pack"), "wrap_forward": (_patch, "wrap_forward")}[stage]
-    real = getattr(*target)
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError(f"injected failure in {stage}")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target[0], target[1], failing)
+    owner = {"pack": _views, "wrap_forward": _patch}[stage]
+    calls = fail_at_call(monkeypatch, owner, stage, 3)
     with pytest.raises(RuntimeError, match="injected failure"):
         spt.offload(m, budget="4MiB", **EMU)
     assert len(calls) == 3  # two went through before the failure: there was something to undo

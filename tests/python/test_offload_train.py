@@ -15,7 +15,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import make_decoder, moved, offloaded_bytes
+from models import fail_at_call, make_decoder, moved, offloaded_bytes
 
 EMU = dict(backend="emu")
 STEPS = 5
@@ -334,15 +334,7 @@ def test_a_failure_midway_through_offload_puts_the_optimizer_back(monkeypatch):
         mse(model, x).backward()
         o.step()
         o.zero_grad()
-    real, calls = _patch.wrap_forward, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_patch, "wrap_forward", failing)
+    fail_at_call(monkeypatch, _patch, "wrap_forward", 2)
     with pytest.raises(RuntimeError, match="injected failure"):
         spt.offload(m, budget="4MiB", optimizer=opt, **EMU)
     monkeypatch.undo()
@@ -403,7 +395,7 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     finish(off, m, ref, stack_batches(9)[0])
 
 
-def test_overlapped_update_is_finished_where_it_is_read():
+def test_overlapped_update_is_finished_where_it_is_read(monkeypatch):
     """Right after opt.step() the update may still run: module.state_dict(), opt.state_dict(),
     opt.zero_grad(set_to_none=False) and remove() finish it first, so each sees (or zeroes after)
     the updated values; a failure in the update is raised at the next forward, the units are
@@ -439,22 +431,12 @@ def test_overlapped_update_is_finished_where_it_is_read():
     assert_params_equal(m, ref, grads=True)
     # a failure in the update: raised at the next forward; the offload goes on and comes off
     from spillway import optim as spw_optim
-    real, calls = spw_optim.adamw_step, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real(*args, **kwargs)
-
-    spw_optim.adamw_step = failing
-    try:
-        mse(m, x).backward()
-        opt.step()
-        with pytest.raises(spillway.StateError, match="update on the host failed: injected failure"):
-            mse(m, x)
-    finally:
-        spw_optim.adamw_step = real
+    fail_at_call(monkeypatch, spw_optim, "adamw_step", 2)
+    mse(m, x).backward()
+    opt.step()
+    with pytest.raises(spillway.StateError, match="update on the host failed: injected failure"):
+        mse(m, x)
+    monkeypatch.undo()
     assert torch.isfinite(mse(m, x))  # every unit usable again
     both_step()
     off.remove()

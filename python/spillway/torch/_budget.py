@@ -26,8 +26,6 @@ class Budget(NamedTuple):
     """What an offload's weights may hold on the device, and where that figure came from."""
 
     bytes: int
-    free: int  # the device memory free for it (tensors already on the device counted free)
-    total: int  # the device's memory
     source: str  # "given", "shared" (use_allocator's context) or "default"
     reserve: int  # with source "default": what is left free for activations
 
@@ -41,7 +39,7 @@ def resolve_budget(budget: Any, backend: str, dev: torch.device, tensors: Iterab
     free device memory cannot hold."""
     given = None if budget is None else parse_budget(budget, "offload")
     if shared is not None:
-        return Budget(shared.budget, shared.budget, shared.budget, "shared", 0)
+        return Budget(shared.budget, "shared", 0)
     free, total = _device_memory(backend, dev, tensors, ctx_opts)
     if given is None:
         reserve = _reserve(total)
@@ -50,13 +48,13 @@ def resolve_budget(budget: Any, backend: str, dev: torch.device, tensors: Iterab
                 f"offload: no budget given, and the device's free memory ({format_size(free)} of "
                 f"{format_size(total)}) leaves nothing beside the reserve for activations "
                 f"({format_size(reserve)}); pass budget=")
-        return Budget(free - reserve, free, total, "default", reserve)
+        return Budget(free - reserve, "default", reserve)
     nbytes = budget_bytes(given, total)
     if nbytes > free:
         raise ConfigError(
             f"offload: budget {format_size(nbytes)} is above the free device memory "
             f"({format_size(free)} of {format_size(total)} on {dev if backend == 'cuda' else 'emu'})")
-    return Budget(nbytes, free, total, "given", 0)
+    return Budget(nbytes, "given", 0)
 
 
 def _budget_text(budget: Any) -> Optional[str]:

@@ -190,7 +190,6 @@ class Offload:
         self.overlap_update = overlap_update
         self._update: Optional[_overlap.Update] = None
         self._update_pool: Any = None
-        self._sync_wraps: List[Tuple[Any, str, bool, Any, Any]] = []  # _overlap.wrap_sync_points
         self.c_steps = 0
         self.activations_stashed = 0
         self.activation_bytes = 0
@@ -198,7 +197,9 @@ class Offload:
         # gradients of the trained host Parameters on their way from the device (ToHost)
         self._landing: Optional[_train.GradLanding] = _train.GradLanding(dev) if self._train else None
         self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
-        self._step_wrap: Optional[Tuple[Any, bool, Any, Any]] = None  # (opt, had step attribute, it, ours)
+        # Methods wrapped as instance attributes (opt.step, and with overlap_update the points that
+        # finish its update): (object, name, whether it had that attribute, it, ours), for remove()
+        self._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []
         self.optimizer_steps = 0
         self.step_evictions = 0  # device copies of units dropped after optimizer steps
         # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the

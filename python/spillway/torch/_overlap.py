@@ -57,7 +57,7 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
     """Make opt.zero_grad(set_to_none=False) (which zeroes the gradients the update reads),
     opt.state_dict() and the module's state_dict() finish the update in flight first
     (Offload.synchronize). Instance attributes, methods bound to their objects (a deep copy binds
-    the copy, which finishes nothing); off._sync_wraps keeps what remove() puts back."""
+    the copy, which finishes nothing); off._method_wraps keeps what remove() puts back."""
     ref = weakref.ref(off)
 
     def zeroes(args: Tuple[Any, ...], kwargs: Dict[str, Any], default: bool) -> bool:
@@ -80,7 +80,7 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
         functools.update_wrapper(call, inner)
         bound = types.MethodType(call, obj)
         setattr(obj, name, bound)
-        off._sync_wraps.append((obj, name, had, prev, bound))
+        off._method_wraps.append((obj, name, had, prev, bound))
 
     param = inspect.signature(opt.zero_grad).parameters.get("set_to_none")
     default = bool(param.default) if param is not None and param.default is not inspect.Parameter.empty else True
@@ -150,9 +150,6 @@ class Update:
     def _end_open(self) -> None:
         while self.open:
             _lib_c.spw_buf_host_end(self.open.pop().handle)
-
-    def updated(self, unit: _Unit) -> bool:
-        return unit.index in self.done or self.finished
 
     def wait_for(self, unit: _Unit) -> None:
         """Return once unit's update ended (or the whole update did, also by failing)."""

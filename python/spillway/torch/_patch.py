@@ -60,18 +60,16 @@ def undo(off: Any) -> None:
         upd.finish()
     off._closed = True
     ACTIVE.pop(off.module, None)
-    for obj, name, had, prev, ours in reversed(getattr(off, "_sync_wraps", [])):
-        if obj.__dict__.get(name) is ours:
+    for obj, name, had, prev, ours in reversed(getattr(off, "_method_wraps", [])):
+        if obj.__dict__.get(name) is ours:  # else something wrapped it since (an LR scheduler): ours only calls through
             if had:
                 setattr(obj, name, prev)
             else:
                 delattr(obj, name)
-    off._sync_wraps = []
+    off._method_wraps = []
     if getattr(off, "_update_pool", None) is not None:
         off._update_pool.close()
         off._update_pool = None
-    if getattr(off, "_step_wrap", None) is not None:
-        _train.unwrap_step(off)
     for m, had, old in reversed(getattr(off, "_wrapped", [])):
         if had:
             m.forward = old  # type: ignore[method-assign]

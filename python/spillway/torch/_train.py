@@ -192,13 +192,10 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         off._landing.land()
         done: set = set()
         try:
-            if off.host_update == "spillway" and not args and kwargs.get("closure") is None:
-                if off.overlap_update and _overlap_start(off, opt, done):
-                    off.c_steps += 1
-                    return None
-                if not off.overlap_update and c_adamw_step(opt, off, done):
-                    off.c_steps += 1
-                    return None
+            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
+                    (_overlap_start if off.overlap_update else c_adamw_step)(opt, off, done):
+                off.c_steps += 1
+                return None
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off, done)
@@ -213,10 +210,10 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         step._with_counter = True  # type: ignore[attr-defined]
     bound = types.MethodType(step, opt)
     opt.step = bound  # type: ignore[method-assign]
-    off._step_wrap = (opt, had, prev, bound)
+    off._method_wraps.append((opt, "step", had, prev, bound))
 
 
-def _overlap_start(off: Any, opt: torch.optim.Optimizer, done: set) -> bool:
+def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
     """Start opt's C AdamW update beside the next forward (_overlap.Update); False, nothing
     done, where the C step does not apply. done gets the units it opened (their device copies
     are dropped already)."""
@@ -232,19 +229,6 @@ def _overlap_start(off: Any, opt: torch.optim.Optimizer, done: set) -> bool:
     off.step_evictions += len(opened)  # their device copies went with the begin
     done.update(opened)
     return True
-
-
-def unwrap_step(off: Any) -> None:
-    w, off._step_wrap = off._step_wrap, None
-    if w is None:
-        return
-    opt, had, prev, bound = w
-    if opt.__dict__.get("step") is bound:
-        if had:
-            opt.step = prev  # type: ignore[method-assign]
-        else:
-            del opt.step
-    # else something wrapped it since (an LR scheduler): left in place, ours only steps now
 
 
 def refresh(off: Any, done: Optional[set] = None) -> None:
