@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
-from spillway.torch import _partition  # noqa: E402
 from spillway.torch._report import _median_us  # noqa: E402
 
 
@@ -83,14 +82,8 @@ def main():
             for n in order:
                 policy, opts = variants[n]
                 opts = dict(opts)
-                cap = int(opts.pop("unit_max", 0))
-                bounds = _partition.bounds
-                if cap:
-                    _partition.bounds = lambda b, s=0: tuple(min(x, cap) for x in bounds(b, s))
-                try:
+                with td.unit_cap(int(opts.pop("unit_max", 0))):
                     h = spt.offload(model, budget=budget, policy=policy, **opts)
-                finally:
-                    _partition.bounds = bounds
                 td.timed_steps(step, a.warm)
                 s0, hist0 = h.stats(), list(h._hook_hist)
                 ts, out = td.timed_steps(step, a.steps)

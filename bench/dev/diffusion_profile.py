@@ -179,13 +179,10 @@ def main():
     ap.add_argument("--warm", type=int, default=25)
     ap.add_argument("--unit-max", type=int, default=0, help="cap on the partition's largest unit, bytes")
     args = ap.parse_args()
-    if args.unit_max:
-        from spillway.torch import _partition
-        bounds = _partition.bounds
-        _partition.bounds = lambda budget, streamed=0: tuple(min(x, args.unit_max) for x in bounds(budget, streamed))
     torch.backends.cuda.matmul.allow_tf32 = False
-    for case in args.cases.split(","):
-        run(case, args.policy, args.warm)
+    with td.unit_cap(args.unit_max):
+        for case in args.cases.split(","):
+            run(case, args.policy, args.warm)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ max(resident ms, (offloaded bytes - budget) / link), the link measured in the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -134,6 +135,20 @@ def link_gbps() -> float:
         best = min(best, time.perf_counter() - t)
     del src, dst
     return GiB / best / 1e9
+
+
+@contextlib.contextmanager
+def unit_cap(cap: int) -> Iterator[None]:
+    """While open, offload() partitions into units of at most cap bytes (0: its own bounds). An
+    experiment on the unit size for bench/dev's tools, not a setting of the package."""
+    from spillway.torch import _partition
+    bounds = _partition.bounds
+    if cap:
+        _partition.bounds = lambda budget, streamed=0: tuple(min(x, cap) for x in bounds(budget, streamed))
+    try:
+        yield
+    finally:
+        _partition.bounds = bounds
 
 
 def timed_steps(fn: Callable[[], Any], steps: int) -> Tuple[List[float], Any]:
