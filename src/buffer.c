@@ -76,6 +76,12 @@ static const char *busy_why(const spw_buf *b) {
     return b->host_open ? "open for host writes (spw_buf_host_begin)" : "being written by spw_buf_write";
 }
 
+/* The error of fn on a buffer that is acquired or host_busy. */
+static spw_status in_use(const char *fn, const spw_buf *b) {
+    return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
+                      b->acq ? "acquired; release it first" : busy_why(b));
+}
+
 /* ---- policy queries (policy.h) ---- */
 
 spw_policy_node *spw__pol_node(spw_buf *b) { return &b->node; }
@@ -619,9 +625,9 @@ SPW_API spw_status spw_discard(spw_buf *b) {
     spw_status st;
     if ((st = enter(b, "spw_discard"))) return st;
     if (b->acq || b->host_busy) {
+        st = in_use("spw_discard", b);
         leave(b);
-        return spw__error(SPW_ERR_STATE, "spw_discard: buffer #%llu is %s", (unsigned long long)b->id,
-                          b->acq ? "acquired; release it first" : busy_why(b));
+        return st;
     }
     /* the device block (if any) stays for a later WRITE acquire; eviction just drops it */
     b->dead = true;
@@ -673,8 +679,7 @@ SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t
     spw_ctx *ctx = b->ctx;
     if ((st = check_range(fn, b, off, src, n))) goto out;
     if (b->acq || b->host_busy) {
-        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                        b->acq ? "acquired; release it first" : busy_why(b));
+        st = in_use(fn, b);
         goto out;
     }
     /* a partial write into a dirty buffer needs the rest of the contents on the host first */
@@ -711,8 +716,7 @@ SPW_API spw_status spw_buf_host_begin(spw_buf *b) {
     if ((st = enter(b, fn))) return st;
     spw_ctx *ctx = b->ctx;
     if (b->acq || b->host_busy) {
-        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                        b->acq ? "acquired; release it first" : busy_why(b));
+        st = in_use(fn, b);
         leave(b);
         return st;
     }
