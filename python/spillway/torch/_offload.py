@@ -258,7 +258,7 @@ class Offload:
             if self._train:
                 _train.wrap_step(self, optimizer)
                 if overlap_update:
-                    _overlap.wrap_sync_points(self, optimizer)
+                    _train.wrap_sync_points(self, optimizer)
         except BaseException:
             _patch.undo(self)
             raise

@@ -13,7 +13,8 @@ Contracts:
   interpreter lock released, on a pool that leaves two of the process's CPUs to the caller.
 - The update is finished (waited for, and its error raised, as a StateError naming it) by the
   end of the next top-level forward, the next opt.step(), opt.zero_grad(set_to_none=False),
-  opt.state_dict(), the module's state_dict(), Offload.synchronize() and remove(). Anything
+  opt.state_dict(), the module's state_dict() (those wrapped by _train.wrap_sync_points),
+  Offload.synchronize() and remove(). Anything
   else that reads the host Parameters or the optimizer's state before those (a reference kept
   to a parameter, an average of the weights taken right after the step) must call
   Offload.synchronize() first: until then the values are being written.
@@ -22,12 +23,8 @@ Contracts:
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import threading
-import types
-import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .. import _lib
@@ -51,42 +48,6 @@ def pool_threads() -> int:
 def new_pool() -> Any:
     """The threads an offload's overlapped updates run on (pool_threads of them)."""
     return spw_optim.Pool(pool_threads())
-
-
-def wrap_sync_points(off: Any, opt: Any) -> None:
-    """Make opt.zero_grad(set_to_none=False) (which zeroes the gradients the update reads),
-    opt.state_dict() and the module's state_dict() finish the update in flight first
-    (Offload.synchronize). Instance attributes, methods bound to their objects (a deep copy binds
-    the copy, which finishes nothing); off._method_wraps keeps what remove() puts back."""
-    ref = weakref.ref(off)
-
-    def zeroes(args: Tuple[Any, ...], kwargs: Dict[str, Any], default: bool) -> bool:
-        set_to_none = kwargs.get("set_to_none", args[0] if args else default)
-        return not set_to_none
-
-    def wrap(obj: Any, name: str, needs: Any) -> None:
-        had = name in obj.__dict__
-        prev = obj.__dict__.get(name)
-        inner = getattr(obj, name)
-
-        def call(self_: Any, *args: Any, **kwargs: Any) -> Any:
-            if self_ is not obj:  # a copy: its class's method
-                return getattr(type(self_), name)(self_, *args, **kwargs)
-            o = ref()
-            if o is not None and not o._closed and o._update is not None and needs(args, kwargs):
-                o.synchronize()
-            return inner(*args, **kwargs)
-
-        functools.update_wrapper(call, inner)
-        bound = types.MethodType(call, obj)
-        setattr(obj, name, bound)
-        off._method_wraps.append((obj, name, had, prev, bound))
-
-    param = inspect.signature(opt.zero_grad).parameters.get("set_to_none")
-    default = bool(param.default) if param is not None and param.default is not inspect.Parameter.empty else True
-    wrap(opt, "zero_grad", lambda a, k: zeroes(a, k, default))
-    wrap(opt, "state_dict", lambda a, k: True)
-    wrap(off.module, "state_dict", lambda a, k: True)
 
 
 class Update:

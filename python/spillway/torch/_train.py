@@ -5,6 +5,8 @@ units holding opt's parameters drop their device copies, which the step made sta
 over an Offload's attributes; the hot path that swaps the aliases in is _offload.py's."""
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import _lib
+from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from . import _overlap
 from ._units import _Unit
@@ -159,6 +162,16 @@ def _move_state(opt: torch.optim.Optimizer, to: Optional[str]) -> None:
                     st[k] = v.to(dev)
 
 
+def _install(off: Any, obj: Any, name: str, fn: Any) -> None:
+    """Make fn, bound to obj, obj's instance attribute `name`, and record in off._method_wraps
+    what was there, for remove() (_patch.undo) to put back."""
+    had = name in obj.__dict__
+    prev = obj.__dict__.get(name)
+    bound = types.MethodType(fn, obj)
+    setattr(obj, name, bound)
+    off._method_wraps.append((obj, name, had, prev, bound))
+
+
 def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     """Make opt.step end by dropping the device copies of the units that hold opt's
     parameters (refresh): the step changed their host copies. An instance attribute, a
@@ -167,8 +180,6 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     is removed or gone, only steps (so a scheduler that wrapped it afterwards keeps working).
     A closure (LBFGS calls it several times per step, changing the parameters between calls)
     is wrapped too: each call first drops the stale device copies."""
-    had = "step" in opt.__dict__
-    prev = opt.__dict__.get("step")
     inner = opt.step
     ref = weakref.ref(off)
 
@@ -208,9 +219,39 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     step.__wrapped__ = inner  # type: ignore[attr-defined]
     if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
         step._with_counter = True  # type: ignore[attr-defined]
-    bound = types.MethodType(step, opt)
-    opt.step = bound  # type: ignore[method-assign]
-    off._method_wraps.append((opt, "step", had, prev, bound))
+    _install(off, opt, "step", step)
+
+
+def wrap_sync_points(off: Any, opt: Any) -> None:
+    """Make opt.zero_grad(set_to_none=False) (which zeroes the gradients the update reads),
+    opt.state_dict() and the module's state_dict() finish the update in flight first
+    (Offload.synchronize), for overlap_update. Instance attributes, methods bound to their objects
+    (a deep copy binds the copy, which finishes nothing); remove() puts back what was there."""
+    ref = weakref.ref(off)
+
+    def zeroes(args: Tuple[Any, ...], kwargs: Dict[str, Any], default: bool) -> bool:
+        set_to_none = kwargs.get("set_to_none", args[0] if args else default)
+        return not set_to_none
+
+    def wrap(obj: Any, name: str, needs: Any) -> None:
+        inner = getattr(obj, name)
+
+        def call(self_: Any, *args: Any, **kwargs: Any) -> Any:
+            if self_ is not obj:  # a copy: its class's method
+                return getattr(type(self_), name)(self_, *args, **kwargs)
+            o = ref()
+            if o is not None and not o._closed and o._update is not None and needs(args, kwargs):
+                o.synchronize()
+            return inner(*args, **kwargs)
+
+        functools.update_wrapper(call, inner)
+        _install(off, obj, name, call)
+
+    param = inspect.signature(opt.zero_grad).parameters.get("set_to_none")
+    default = bool(param.default) if param is not None and param.default is not inspect.Parameter.empty else True
+    wrap(opt, "zero_grad", lambda a, k: zeroes(a, k, default))
+    wrap(opt, "state_dict", lambda a, k: True)
+    wrap(off.module, "state_dict", lambda a, k: True)
 
 
 def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
@@ -343,7 +384,6 @@ def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set
     work = adamw_work(opt, off)
     if work is None:
         return False
-    from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
     for unit, calls in work:
         for c in calls:
             spw_optim.adamw_step(**c)
