@@ -159,15 +159,18 @@ def test_accumulation_over_micro_batches_and_clipping():
     finish(off, m, ref, stack_batches(9)[0])
 
 
+def two_groups(mod: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over two parameter groups of their own hyper-parameters: weights and biases."""
+    weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW([{"params": weights, "lr": 1e-3, "weight_decay": 0.1},
+                              {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
+
+
 def test_two_parameter_groups():
-    def groups(mod: nn.Module) -> torch.optim.Optimizer:
-        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
-        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
-        return torch.optim.AdamW([{"params": weights, "lr": 1e-3, "weight_decay": 0.1},
-                                  {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
     m = stack(3)
     ref = copy.deepcopy(m)
-    off = train(m, ref, groups, stack_batches, mse)
+    off = train(m, ref, two_groups, stack_batches, mse)
     finish(off, m, ref, stack_batches(9)[0])
 
 
@@ -383,14 +386,9 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     """overlap_update=True: the C AdamW runs beside the next forward (two parameter groups,
     accumulation, clipping); every loss, gradient and parameter bitwise equal to the resident
     model's torch AdamW, as without the overlap."""
-    def groups(mod: nn.Module) -> torch.optim.Optimizer:
-        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
-        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
-        return torch.optim.AdamW([{"params": weights, "lr": 1e-3, "weight_decay": 0.1},
-                                  {"params": biases, "lr": 3e-3, "weight_decay": 0.0}])
     m = stack(5)
     ref = copy.deepcopy(m)
-    off = train(m, ref, groups, stack_batches, mse, micro=micro, clip=clip, overlap_update=True)
+    off = train(m, ref, two_groups, stack_batches, mse, micro=micro, clip=clip, overlap_update=True)
     assert off.c_steps == STEPS
     finish(off, m, ref, stack_batches(9)[0])
 
