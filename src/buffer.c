@@ -435,8 +435,7 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
         return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer #%llu is read-only (SPW_BUF_READ_ONLY); "
                           "mode %s would write it", fn, (unsigned long long)b->id,
                           mode == SPW_ACCESS_WRITE ? "WRITE" : "READ_WRITE");
-    if (b->host_busy)
-        return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id, busy_why(b));
+    if (b->host_busy) return in_use(fn, b); /* host_busy is never set on an acquired buffer */
     if (b->policy_dead && (mode & SPW_ACCESS_READ)) {
         /* loud, never stale data: the program left the pattern the drop was based on */
         return spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were dropped by policy=plan, "
@@ -614,9 +613,7 @@ SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
 SPW_API spw_status spw_evict(spw_buf *b) {
     spw_status st;
     if ((st = enter(b, "spw_evict"))) return st;
-    st = b->host_busy ? spw__error(SPW_ERR_STATE, "spw_evict: buffer #%llu is %s", (unsigned long long)b->id,
-                                   busy_why(b))
-                      : spw__res_evict_buf(b->ctx, b, true);
+    st = b->host_busy ? in_use("spw_evict", b) : spw__res_evict_buf(b->ctx, b, true);
     leave(b);
     return st;
 }
