@@ -463,3 +463,28 @@ def test_torch_transformer_layers_that_read_their_childrens_weights_stay_whole()
         for _ in range(3):
             assert torch.equal(moved(off, lambda: m(x)), ref(x))
     off.remove()
+
+
+def test_a_run_of_small_modules_shares_one_acquisition():
+    """A run of small neighbours is one unit that each of them acquires: inside the forward, the
+    second and later modules of the run find the first one's release still pending and take the
+    unit without a call into the library; the weights still move and the output is equal."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(64)]).requires_grad_(False)  # 16 MiB
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 256)
+    off = spt.offload(m, budget="6MiB", backend="emu")
+    runs = [u for u in off.units if ".." in u.name]  # "3..5": modules 3 to 5
+    assert len(off.units) < 64 and runs, [u.name for u in off.units]
+    calls = []
+    for name in ("_c_acquire", "_c_release_acquire"):
+        fn = getattr(off, name)
+        setattr(off, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=6)
+    assert torch.equal(out, ref(x))
+    assert per_step > 0  # the weights moved in the steady steps
+    hooked = 64 * 6
+    assert off.acquires >= hooked
+    assert len(calls) <= len(off.units) * 6, (len(calls), len(off.units))  # one call a unit a step, not a module
+    off.remove()

@@ -225,8 +225,10 @@ class Offload:
         self._c_release_acquire = _lib_c.spw_release_acquire
         # Inside the top-level forward a unit's C release waits for the next acquire and goes
         # with it in one call (spw_release_acquire): one crossing and one lock a block, not two.
-        # The record of its last use lands a little later in stream order (later is safe). The
-        # forward's end releases what is still pending, before its step ends.
+        # The record of its last use lands a little later in stream order (later is safe). When
+        # the next acquire is of that same unit on the same stream (a run of small modules
+        # grouped into one unit), neither call is made: it stays acquired. The forward's end
+        # releases what is still pending, before its step ends.
         self._pend: Optional[_Unit] = None
         self._pend_stream: Optional[int] = None
         self._c_sync = _lib_c.spw_stream_synchronize if self._emu else None
@@ -337,6 +339,10 @@ class Offload:
         p = self._pend
         if p is None:
             st = self._c_acquire(u.handle, stream, mode, self._devptr_ref)
+        elif p is u and mode == _READ and self._pend_stream == stream:
+            self._pend = None  # its own pending release: still acquired, nothing to call
+            self.acquires += 1
+            return u.devptr
         else:
             self._pend = None  # a failed release acquires nothing: its error is raised below
             st = self._c_release_acquire(p.handle, self._pend_stream, u.handle, stream, mode, self._devptr_ref)
@@ -525,6 +531,10 @@ class Offload:
             p = self._pend
             if p is None:
                 st = self._c_acquire(h, stream, _READ, devptr_ref)
+            elif p is u and self._pend_stream == stream:
+                self._pend = None  # its own pending release (a run of modules sharing it): still acquired
+                st = 0
+                devptr.value = u.devptr
             else:
                 self._pend = None  # a failed release acquires nothing: its error is raised below
                 st = self._c_release_acquire(p.handle, self._pend_stream, h, stream, _READ, devptr_ref)
