@@ -10,7 +10,8 @@ to learn and choose its pipeline, --steps timed steps, remove()), the order rota
 Per variant: the median step over the rounds, the median of its per-round ratios to resident
 and to the physical bound (max(resident, (weights - budget) / link), the link measured at the
 start), the median host time per acquire, bytes uploaded and trims a step, the pipeline the plan
-chose, and whether the output equals resident's bitwise.
+chose, and whether the output equals resident's bitwise; per round and variant, its first --warm
+steps one by one.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$PWD/.peers/src \\
         python3 bench/dev/diffusion_ab.py --model sd15 --budget 0.40 \\
@@ -84,7 +85,7 @@ def main():
                 opts = dict(opts)
                 with td.unit_cap(int(opts.pop("unit_max", 0))):
                     h = spt.offload(model, budget=budget, policy=policy, **opts)
-                td.timed_steps(step, a.warm)
+                warm, _ = td.timed_steps(step, a.warm)
                 s0, hist0 = h.stats(), list(h._hook_hist)
                 ts, out = td.timed_steps(step, a.steps)
                 s1 = h.stats()
@@ -98,6 +99,8 @@ def main():
                 row["trims"].append((s1["trim_syncs"]["total"] - s0["trim_syncs"]["total"]) / a.steps)
                 row["pipe"].add(plan_line(h) if policy == "plan" else policy)
                 row["equal"] = row["equal"] and torch.equal(td._out(out), ref)
+                print(f"  {n}: the first {a.warm} steps {sum(warm) / (len(warm) * ms):.3f}x steady: "
+                      + " ".join("%.0f" % t for t in warm), flush=True)
                 h.remove()
                 torch.cuda.empty_cache()
             model.to(td.DEV)
