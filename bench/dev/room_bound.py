@@ -169,10 +169,10 @@ def main() -> None:
               f"({bound / simple:.3f}x the simple one)")
         for a, k, c, b in parts:
             print(f"  intervals {a:4d}+{k:<4d} compute {c:7.2f} ms  weights {b / GiB:6.3f} GiB  "
-                  f"-> {max(c, (b - room) / bytes_per_ms):7.2f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+                  f"-> {max(c, (b - room) / bytes_per_ms):7.2f} ms", flush=True)
+        if args.json:  # after every case: a later one may not finish
+            with open(args.json, "w") as f:
+                json.dump(out, f)
 
 
 if __name__ == "__main__":
