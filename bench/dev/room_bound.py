@@ -20,6 +20,7 @@ under a quarter of it.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS/src \\
         python3 bench/dev/room_bound.py --cases sd15:0.40,sdxl:0.35,sdxl:8589934592,flux:8589934592
+    python3 bench/dev/room_bound.py --from ROOM.json --resident-ms sdxl=60.7   # again, no GPU
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def timeline(model: torch.nn.Module, kw: Dict[str, Any], budget: int) -> Tuple[L
         events.append((e, sign, id(m)))
 
     with torch.no_grad():
-        plain, _ = td.timed_steps(lambda: model(**kw), 8)
+        plain, _ = td.timed_steps(lambda: model(**kw), 20)  # the first steps pick kernels (convolutions)
     handles = []
     for m in hooked:
         if m is model:
@@ -85,7 +86,7 @@ def timeline(model: torch.nn.Module, kw: Dict[str, Any], budget: int) -> Tuple[L
         elif sign < 0:
             open_.remove(mid)
     with_events = sum(ms for ms, _ in items)
-    resident = statistics.median(plain[2:])
+    resident = statistics.median(plain[10:])
     scale = resident / with_events  # the events' own host time spread evenly
     return [(ms * scale, need) for ms, need in items], sizes, sum(sizes[i] for i in top), resident
 
@@ -133,13 +134,38 @@ def best_division(items: List[Tuple[float, frozenset]], sizes: Dict[int, int], r
     return best, best_parts
 
 
+def offline(args: argparse.Namespace) -> None:
+    """The bound again from saved timelines, each optionally scaled to another resident step."""
+    scale_to = dict((k, float(v)) for k, v in (x.split("=") for x in filter(None, args.resident_ms.split(","))))
+    for r in json.load(open(args.source)):
+        sizes = {int(k): v for k, v in r["sizes"].items()}
+        resident = scale_to.get(r["model"], r["resident_ms"])
+        f = resident / r["resident_ms"]
+        items = [(ms * f, frozenset(need)) for ms, need in r["timeline"]]
+        bytes_per_ms = r["link_gbps"] * 1e6
+        simple = max(resident, (r["weights"] - r["budget"]) / bytes_per_ms)
+        bound, parts = best_division(items, sizes, r["budget"] - r["top_bytes"], bytes_per_ms, args.starts)
+        print(f"{r['model']} at {r['budget'] / GiB:.2f} GiB, resident {resident:.1f} ms (recorded at "
+              f"{r['resident_ms']:.1f}): simple bound {simple:.1f} ms, room bound {bound:.1f} ms "
+              f"({bound / simple:.3f}x the simple one)")
+        for a, k, c, b in parts:
+            if b > r["budget"] - r["top_bytes"]:
+                print(f"  intervals {a}+{k}: compute {c:.1f} ms, weights {b / GiB:.2f} GiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,flux:8589934592", help="model:budget (a fraction or bytes)")
     ap.add_argument("--starts", type=int, default=48, help="starting points of the cyclic division tried")
     ap.add_argument("--link", type=float, default=0.0, help="GB/s (default: measured, as torch_diffusion.py)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--from", dest="source", default="", help="no GPU: the timelines of an earlier --json")
+    ap.add_argument("--resident-ms", default="", help="with --from, MODEL=MS,...: each timeline scaled to that "
+                    "resident step (a run whose host slowed the resident step evenly)")
     args = ap.parse_args()
+    if args.source:
+        offline(args)
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     link = args.link or td.link_gbps()
     bytes_per_ms = link * 1e6

@@ -12,14 +12,19 @@ one upload at a time at the measured rate; the budget holds the units' bytes):
               use (the plan policy's rule: no extra bytes)
   aggressive  the same, with victims used after the incoming unit itself (Cao et al.'s
               aggressive prefetching: more bytes, the link never idle while room can be made)
+  split-K     a fixed set stays resident, spread evenly over the step; the other units stream
+              in their order of use through room for K of the largest, each upload starting as
+              soon as the link is free and the room holds it (the units it replaces released)
 
-    python3 bench/dev/schedule_sim.py ROOM.json [--cycles 6]
+    PYTHONPATH=$PWD/python python3 bench/dev/schedule_sim.py ROOM.json [--resident-ms sdxl=60.7]
 """
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Dict, List, Tuple
+
+from room_bound import best_division  # same directory
 
 
 def simulate(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], room: int, bytes_per_ms: float,
@@ -103,21 +108,86 @@ def simulate(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], room: 
     return t1 - t0, m1 - m0
 
 
+def split(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: int, bytes_per_ms: float,
+          k: int, cycles: int) -> Tuple[float, float]:
+    """(ms of the last cycle, bytes uploaded in it) of the static split with room for k units."""
+    order: List[int] = []
+    last: Dict[int, int] = {}
+    for i, (_, need) in enumerate(items):
+        for u in need:
+            if u not in last:
+                order.append(u)
+            last[u] = i
+    room = k * max(sizes[u] for u in order)
+    frac = max(budget - room, 0) / sum(sizes[u] for u in order)
+    fixed, acc = set(), 0.0
+    for u in order:  # spread: each unit earns its share of the fixed bytes, fixed once that covers it
+        acc += frac * sizes[u]
+        if acc >= sizes[u]:
+            fixed.add(u)
+            acc -= sizes[u]
+    streamed = [u for u in order if u not in fixed]
+    uploads = [(c, u) for c in range(cycles) for u in streamed]
+    index = {key: j for j, key in enumerate(uploads)}
+    ready: List[float] = []  # upload j done (the link takes them one after another)
+    release: Dict[int, float] = {}  # upload j's unit released (its last use in its cycle done)
+
+    def ensure(j: int) -> None:
+        while len(ready) <= j:
+            m = len(ready)
+            tot, p = sizes[uploads[m][1]], m - 1
+            while p >= 0 and tot + sizes[uploads[p][1]] <= room:  # the room holds m with these
+                tot += sizes[uploads[p][1]]
+                p -= 1
+            start = max(ready[-1] if ready else 0.0, release[p] if p >= 0 else 0.0)
+            ready.append(start + sizes[uploads[m][1]] / bytes_per_ms)
+
+    now, marks = 0.0, []
+    for c in range(cycles):
+        marks.append(now)
+        for i, (ms, need) in enumerate(items):
+            t = now
+            for u in need:
+                if u not in fixed:
+                    j = index[(c, u)]
+                    ensure(j)
+                    t = max(t, ready[j])
+            now = t + ms
+            for u in need:
+                if u not in fixed and last[u] == i:
+                    release[index[(c, u)]] = now
+    marks.append(now)
+    return marks[-1] - marks[-2], float(sum(sizes[u] for u in streamed))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--cycles", type=int, default=6)
+    ap.add_argument("--resident-ms", default="", help="MODEL=MS,...: each timeline scaled to that resident step")
     args = ap.parse_args()
+    scale_to = dict((k, float(v)) for k, v in (x.split("=") for x in filter(None, args.resident_ms.split(","))))
     for r in json.load(open(args.json)):
-        items = [(ms, need) for ms, need in r["timeline"]]
+        resident = scale_to.get(r["model"], r["resident_ms"])
+        f = resident / r["resident_ms"]
+        items = [(ms * f, need) for ms, need in r["timeline"]]
         sizes = {int(k): v for k, v in r["sizes"].items()}
         room = r["budget"] - r["top_bytes"]
         bpm = r["link_gbps"] * 1e6
-        print(f"{r['model']} at {r['budget'] / 2**30:.2f} GiB: resident {r['resident_ms']:.1f} ms, simple bound "
-              f"{r['simple_bound_ms']:.1f}, room bound {r['room_bound_ms']:.1f}")
-        for rule in ("belady", "conservative", "aggressive"):
-            ms, moved = simulate(items, sizes, room, bpm, rule, args.cycles)
-            print(f"  {rule:12} {ms:7.1f} ms ({ms / r['room_bound_ms']:.3f}x the room bound), "
+        simple = max(resident, (r["weights"] - r["budget"]) / bpm)
+        bound = best_division([(ms, frozenset(need)) for ms, need in items], sizes, room, bpm, 48)[0]
+        print(f"{r['model']} at {r['budget'] / 2**30:.2f} GiB: resident {resident:.1f} ms, simple bound "
+              f"{simple:.1f}, room bound {bound:.1f}")
+        runs = [(rule, lambda rule=rule: simulate(items, sizes, room, bpm, rule, args.cycles))
+                for rule in ("belady", "conservative", "aggressive")]
+        runs += [(f"split-{k}", lambda k=k: split(items, sizes, room, bpm, k, args.cycles)) for k in (2, 3, 4)]
+        for name, run in runs:
+            try:
+                ms, moved = run()
+            except (RuntimeError, KeyError) as e:
+                print(f"  {name:12} not possible ({e})")
+                continue
+            print(f"  {name:12} {ms:7.1f} ms ({ms / bound:.3f}x the room bound, {ms / simple:.3f}x the simple one), "
                   f"{moved / 2**30:.2f} GiB a step")
 
 
