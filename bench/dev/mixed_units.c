@@ -20,8 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
-#include "policy_plan.h"
+#include "probe_ctx.h"
 
 #define MiB ((size_t)1 << 20)
 
@@ -32,14 +31,8 @@ int main(int argc, char **argv) {
     char conf[256];
     snprintf(conf, sizeof conf, "backend=emu,budget=%s,policy=plan,prefetch=on,vmm=on,vmm_large_page=2MiB,%s",
              budget, tune ? "emu_link_gbps=4" : "prefetch_early=0");
-    spw_config *cfg = NULL;
-    spw_ctx *ctx = NULL;
-    if (spw_config_create(&cfg) || spw_config_parse(cfg, conf) || spw_ctx_create(cfg, &ctx)) {
-        fprintf(stderr, "mixed_units: %s\n", spw_last_error());
-        return 1;
-    }
-    spw_config_destroy(cfg);
-    if (!tune) ctx->engine->pol->early_max = mode; /* as the timing may pick it */
+    spw_ctx *ctx = probe_ctx("mixed_units", conf, tune, mode);
+    if (!ctx) return 1;
     enum { N = 34 };
     const size_t L = argc > 3 ? (size_t)atol(argv[3]) * 1024 : 13 * MiB + 16384;
     const size_t E = argc > 4 ? (size_t)atol(argv[4]) * 1024 : 8 * MiB - 192 * 1024;

@@ -20,8 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine.h"
-#include "policy_plan.h"
+#include "probe_ctx.h"
 
 #define MiB ((double)(1 << 20))
 
@@ -74,14 +73,8 @@ int main(int argc, char **argv) {
     char conf[512];
     snprintf(conf, sizeof conf, "backend=emu,budget=%zu,policy=plan,prefetch=on,emu_link_gbps=%.0f,prefetch_early=%s%s%s",
              (size_t)(total * frac * MiB), link, tune ? "auto" : "0", *extra ? "," : "", extra);
-    spw_config *cfg = NULL;
-    spw_ctx *ctx = NULL;
-    if (spw_config_create(&cfg) || spw_config_parse(cfg, conf) || spw_ctx_create(cfg, &ctx)) {
-        fprintf(stderr, "sim_units: %s\n", spw_last_error());
-        return 1;
-    }
-    spw_config_destroy(cfg);
-    if (!tune) ctx->engine->pol->early_max = atoi(mode_s); /* as the timing may pick it */
+    spw_ctx *ctx = probe_ctx("sim_units", conf, tune, tune ? 0 : atoi(mode_s));
+    if (!ctx) return 1;
     spw_buf **b = calloc((size_t)n, sizeof *b);
     double *kms = calloc((size_t)n, sizeof *kms);
     spw_stream s;
