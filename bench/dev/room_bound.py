@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
 
 import torch
 
@@ -134,23 +134,41 @@ def best_division(items: List[Tuple[float, frozenset]], sizes: Dict[int, int], r
     return best, best_parts
 
 
-def offline(args: argparse.Namespace) -> None:
-    """The bound again from saved timelines, each optionally scaled to another resident step."""
-    scale_to = dict((k, float(v)) for k, v in (x.split("=") for x in filter(None, args.resident_ms.split(","))))
-    for r in json.load(open(args.source)):
-        sizes = {int(k): v for k, v in r["sizes"].items()}
+class Case(NamedTuple):
+    """One saved case of --json, its timeline scaled to `resident`."""
+    record: Dict[str, Any]
+    items: List[Tuple[float, frozenset]]
+    sizes: Dict[int, int]
+    room: int  # the budget less what the top level holds throughout
+    bytes_per_ms: float
+    resident: float
+    simple: float  # max(resident, (weights - budget) / link)
+
+
+def saved_cases(path: str, resident_ms: str = "") -> Iterator[Case]:
+    """The cases of an earlier --json; resident_ms "MODEL=MS,...": each such model's timeline
+    scaled to that resident step (a run whose host slowed the resident step evenly)."""
+    scale_to = dict((k, float(v)) for k, v in (x.split("=") for x in filter(None, resident_ms.split(","))))
+    for r in json.load(open(path)):
         resident = scale_to.get(r["model"], r["resident_ms"])
         f = resident / r["resident_ms"]
-        items = [(ms * f, frozenset(need)) for ms, need in r["timeline"]]
         bytes_per_ms = r["link_gbps"] * 1e6
-        simple = max(resident, (r["weights"] - r["budget"]) / bytes_per_ms)
-        bound, parts = best_division(items, sizes, r["budget"] - r["top_bytes"], bytes_per_ms, args.starts)
-        print(f"{r['model']} at {r['budget'] / GiB:.2f} GiB, resident {resident:.1f} ms (recorded at "
-              f"{r['resident_ms']:.1f}): simple bound {simple:.1f} ms, room bound {bound:.1f} ms "
-              f"({bound / simple:.3f}x the simple one)")
-        for a, k, c, b in parts:
-            if b > r["budget"] - r["top_bytes"]:
-                print(f"  intervals {a}+{k}: compute {c:.1f} ms, weights {b / GiB:.2f} GiB")
+        yield Case(r, [(ms * f, frozenset(need)) for ms, need in r["timeline"]],
+                   {int(k): v for k, v in r["sizes"].items()}, r["budget"] - r["top_bytes"], bytes_per_ms,
+                   resident, max(resident, (r["weights"] - r["budget"]) / bytes_per_ms))
+
+
+def offline(args: argparse.Namespace) -> None:
+    """The bound again from saved timelines, each optionally scaled to another resident step."""
+    for c in saved_cases(args.source, args.resident_ms):
+        r = c.record
+        bound, parts = best_division(c.items, c.sizes, c.room, c.bytes_per_ms, args.starts)
+        print(f"{r['model']} at {r['budget'] / GiB:.2f} GiB, resident {c.resident:.1f} ms (recorded at "
+              f"{r['resident_ms']:.1f}): simple bound {c.simple:.1f} ms, room bound {bound:.1f} ms "
+              f"({bound / c.simple:.3f}x the simple one)")
+        for a, k, ms, b in parts:
+            if b > c.room:
+                print(f"  intervals {a}+{k}: compute {ms:.1f} ms, weights {b / GiB:.2f} GiB")
 
 
 def main() -> None:

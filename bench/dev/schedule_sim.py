@@ -21,10 +21,9 @@ one upload at a time at the measured rate; the budget holds the units' bytes):
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Dict, List, Tuple
 
-from room_bound import best_division  # same directory
+from room_bound import best_division, saved_cases  # same directory
 
 
 def simulate(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], room: int, bytes_per_ms: float,
@@ -166,17 +165,11 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=6)
     ap.add_argument("--resident-ms", default="", help="MODEL=MS,...: each timeline scaled to that resident step")
     args = ap.parse_args()
-    scale_to = dict((k, float(v)) for k, v in (x.split("=") for x in filter(None, args.resident_ms.split(","))))
-    for r in json.load(open(args.json)):
-        resident = scale_to.get(r["model"], r["resident_ms"])
-        f = resident / r["resident_ms"]
-        items = [(ms * f, need) for ms, need in r["timeline"]]
-        sizes = {int(k): v for k, v in r["sizes"].items()}
-        room = r["budget"] - r["top_bytes"]
-        bpm = r["link_gbps"] * 1e6
-        simple = max(resident, (r["weights"] - r["budget"]) / bpm)
-        bound = best_division([(ms, frozenset(need)) for ms, need in items], sizes, room, bpm, 48)[0]
-        print(f"{r['model']} at {r['budget'] / 2**30:.2f} GiB: resident {resident:.1f} ms, simple bound "
+    for c in saved_cases(args.json, args.resident_ms):
+        r, sizes, room, bpm, simple = c.record, c.sizes, c.room, c.bytes_per_ms, c.simple
+        items = [(ms, sorted(need)) for ms, need in c.items]
+        bound = best_division(c.items, sizes, room, bpm, 48)[0]
+        print(f"{r['model']} at {r['budget'] / 2**30:.2f} GiB: resident {c.resident:.1f} ms, simple bound "
               f"{simple:.1f}, room bound {bound:.1f}")
         runs = [(rule, lambda rule=rule: simulate(items, sizes, room, bpm, rule, args.cycles))
                 for rule in ("belady", "conservative", "aggressive")]
