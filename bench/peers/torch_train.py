@@ -49,6 +49,7 @@ Variants, one process each (this file with --child)
                    blocks' activations recomputed in the backward instead of streamed
   spillway-c-overlap  spillway-c with overlap_update=True: the C step runs beside the next
                    forward (a step's time then holds the last step's update, wherever it ends)
+  spillway-c-ckpt-overlap  both
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
                    optimizer=opt) without a budget: one budget over everything on the device
 Each spillway variant runs once per --budget; the peers run uncapped and say which budgets
@@ -117,9 +118,10 @@ if (ROOT / "python" / "spillway").is_dir():
     sys.path.insert(0, str(ROOT / "python"))
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
-            "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-alloc"]
-CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt"}  # gradient_checkpointing_enable
-C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap"}  # host_update="spillway"
+            "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
+            "spillway-alloc"]
+CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt", "spillway-c-ckpt-overlap"}  # gradient_checkpointing_enable
+C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap"}  # host_update="spillway"
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -496,16 +498,19 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             opt = adamw(trained, "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
             kw["host_update"] = "spillway" if name in C_STEP else "torch"
-            if name == "spillway-c-overlap":
+            if name.endswith("-overlap"):
                 kw["overlap_update"] = True
             if name != "spillway-alloc":
                 kw["budget"] = budget
+            kw["train_on_device"] = "auto" if args.train_on_device == "auto" else float(args.train_on_device)
             off = spt.offload(model, optimizer=opt, **kw)
+            on_dev = sum(p.numel() * p.element_size() for _, p in off._trainable)
             r.update(units=len(off.units), spillway_budget=off.context.stats()["budget"],
-                     budget_source=off.budget_source)
+                     budget_source=off.budget_source, trained_on_device=on_dev)
             names = sorted(off.units, key=lambda u: u.index)
             note = (f"{len(off.units)} units ('{names[0].name}'{', ...' if len(names) > 1 else ''}), budget "
-                    f"{size_str(off.context.stats()['budget'])} ({off.budget_source})")
+                    f"{size_str(off.context.stats()['budget'])} ({off.budget_source}); trained on the device "
+                    f"{size_str(on_dev)} of {size_str(r['trained_bytes'])} (train_on_device={args.train_on_device})")
         else:
             opt = adamw(trained, "cuda" if cuda else "default")
             note = f"AdamW {'fused' if opt.defaults.get('fused') else 'foreach' if opt.defaults.get('foreach') else 'default'}"
@@ -749,6 +754,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed first steps (their losses are kept)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max norm before each step (0: off)")
+    p.add_argument("--train-on-device", default="auto",
+                   help="the spillway variants' train_on_device: auto (default) or a fraction")
     p.add_argument("--child-timeout", type=float, default=300, help="seconds per variant process")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--keep-ref", action="store_true", help="keep the directory of resident's final parameters")
@@ -794,7 +801,7 @@ def main() -> int:
     env = dict(os.environ, TORCH_TRAIN_T0=repr(T0))
     base = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--accum", str(args.accum), "--clip", str(args.clip),
-            "--ref-dir", ref_dir] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+            "--ref-dir", ref_dir, "--train-on-device", args.train_on_device] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
     rows: List[Dict[str, Any]] = []
     try:
         for v in variants:

@@ -75,8 +75,8 @@ def close_params(m: nn.Module, ref: nn.Module, tol: float) -> float:
     return worst
 
 
-@pytest.mark.parametrize("case", ["adamw", "accum-clip-autocast", "c-adamw", "c-adamw-overlap", "sgd",
-                                  "gradscaler-fp16"])
+@pytest.mark.parametrize("case", ["adamw", "accum-clip-autocast", "c-adamw", "c-adamw-overlap", "c-adamw-on-device",
+                                  "sgd", "gradscaler-fp16"])
 def test_train_offloaded_decoder_on_the_device(case):
     """A 14 MiB decoder (tied embedding and head) trained under an 8 MiB budget: weights,
     gradients' host copies, saved activations; every step moves the weights."""
@@ -103,8 +103,14 @@ def test_train_offloaded_decoder_on_the_device(case):
         return torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
 
     opt, opt_ref = make_opt(m), make_opt(master)
-    off = spt.offload(m, budget="8MiB", optimizer=opt, host_update="spillway" if c_step else "torch",
-                      overlap_update=case == "c-adamw-overlap", **CUDA)
+    # c-adamw-on-device: the first quarter of the trained bytes is trained on the device by opt's own
+    # step, the rest offloaded and stepped in C
+    on_device = 0.25 if case == "c-adamw-on-device" else 0
+    off = spt.offload(m, budget="8MiB" if not on_device else "20MiB", optimizer=opt,
+                      host_update="spillway" if c_step else "torch", overlap_update=case == "c-adamw-overlap",
+                      train_on_device=on_device, **CUDA)
+    kept = {id(p) for _, p in off._trainable}
+    assert bool(kept) == bool(on_device) and all(p.device.type == "cuda" for _, p in off._trainable)
     assert off.context.backend == "cuda" and offloaded_bytes(off) > off.context.budget
     worst_loss = worst_param = 0.0
     for step in range(steps):
@@ -121,9 +127,9 @@ def test_train_offloaded_decoder_on_the_device(case):
                 loss.backward()
                 want.backward()
         for (n, p), (_, q), (_, h) in zip(m.named_parameters(), ref.named_parameters(), master.named_parameters()):
-            assert p.grad is not None and p.grad.device.type == "cpu", n
+            assert p.grad is not None and p.grad.device.type == ("cuda" if id(p) in kept else "cpu"), n
             if tol == 0 or step == 0:  # bit for bit: a skipped step's gradients hold inf and NaN
-                assert torch.equal(p.grad.view(torch.int32), q.grad.cpu().view(torch.int32)), (step, n)
+                assert torch.equal(p.grad.cpu().view(torch.int32), q.grad.cpu().view(torch.int32)), (step, n)
             h.grad = q.grad.cpu()
         if clip:
             n1 = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip)

@@ -63,7 +63,9 @@ def train(m: nn.Module, ref: nn.Module, make_opt: Callable[[nn.Module], torch.op
     saved (not where checkpointing recomputes them in backward). Returns the Offload, still
     active."""
     opt, opt_ref = make_opt(m), make_opt(ref)
+    offload_args.setdefault("train_on_device", 0)  # every trained parameter offloaded, unless asked
     off = spt.offload(m, budget=budget, optimizer=opt, **EMU, **offload_args)
+    on_device = {id(p) for _, p in off._trainable}
     assert off.optimizer is opt
     trained = sum(u.nbytes for u in off.units if u.trains)
     h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
@@ -96,7 +98,7 @@ def train(m: nn.Module, ref: nn.Module, make_opt: Callable[[nn.Module], torch.op
     packs = [(u.pack.data_ptr(), u.pack.data_ptr() + u.pack.numel()) for u in off.units]
     for sub in m.modules():  # every slot holds its Parameter again, a view into its unit's pack
         for n, p in sub._parameters.items():
-            if p is not None:
+            if p is not None and id(p) not in on_device:
                 assert type(p) is nn.Parameter and any(a <= p.data_ptr() < b for a, b in packs), n
     h = off.stats()["offload"]
     assert h["optimizer_steps"] == STEPS and h["step_evictions"] >= STEPS
@@ -393,6 +395,58 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     finish(off, m, ref, stack_batches(9)[0])
 
 
+@pytest.mark.parametrize("micro,clip,overlap", [(1, 0.0, False), (4, 1.0, False), (1, 0.0, True)])
+def test_the_first_parameters_are_trained_on_the_device(micro, clip, overlap):
+    """train_on_device=0.15: the first 15% of the trained bytes stay on the device with their
+    gradients and state, stepped by opt's own step; the rest is offloaded (the weights move every
+    step) and stepped in C. Two parameter groups, accumulation, clipping, the overlapped update:
+    every loss, gradient and parameter bitwise equal to the resident model's (train). Their
+    bytes, gradients and state come out of the budget."""
+    m = stack(7)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, two_groups, stack_batches, mse, budget="10MiB", micro=micro, clip=clip,
+                overlap_update=overlap, train_on_device=0.15)
+    first = list(m.named_parameters())
+    kept = [n for n, p in first if any(p is q for _, q in off._trainable)]
+    assert kept == ["0.weight", "0.bias"]  # the first ones, up to 15% of the 8 MiB
+    kept_bytes = sum(p.numel() * 4 for n, p in first if n in kept)
+    # parameter, gradient, two moments, in whole 2 MiB pages
+    assert off.context.stats()["budget"] == (10 << 20) - -(-4 * kept_bytes // (2 << 20)) * (2 << 20)
+    assert all(not u.trains or all(e.name not in kept for e in u.entries) for u in off.units)
+    assert off.c_steps == STEPS
+    st = off.optimizer.state
+    assert all(float(st[p]["step"]) == STEPS for p in m.parameters())
+    assert "trained on device 2 trainable parameters" in off.summary()
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+def test_train_on_device_auto():
+    """train_on_device="auto" (the default) keeps the first parameters that take, with their
+    gradients and AdamW's two moments, at most half of the budget, and none where that would
+    leave the streamed units no room."""
+    m = stack(8)
+    opt = torch.optim.AdamW(m.parameters())
+    off = spt.offload(m, budget="16MiB", optimizer=opt, **EMU)
+    assert [n for n, _ in off._trainable] == ["0.weight", "0.bias"]  # 2 MiB of parameters at most
+    assert off.device_trained_bytes == 4 * sum(p.numel() * 4 for _, p in off._trainable)
+    off.remove()
+    small = spt.offload(m, budget="4MiB", optimizer=torch.optim.AdamW(m.parameters()), **EMU)
+    assert small._trainable == [] and small.context.stats()["budget"] == 4 << 20
+    small.remove()
+
+
+@pytest.mark.parametrize("share,exc,match", [
+    (1.5, spillway.ConfigError, "train_on_device = 1.5 is not a fraction"),
+    ("half", spillway.ConfigError, "train_on_device must be 'auto' or a fraction"),
+    (True, spillway.ConfigError, "train_on_device must be 'auto' or a fraction"),
+    (0.5, spillway.ConfigError, r"keeps 4.* of parameters on the device, .* with their gradients and optimizer "
+                                r"state: the whole budget \(4.00 MiB\)"),
+])
+def test_train_on_device_refused(share, exc, match):
+    m = stack()
+    check_refused(m, exc, match, optimizer=torch.optim.AdamW(m.parameters()), train_on_device=share)
+
+
 def test_overlapped_update_is_finished_where_it_is_read(monkeypatch):
     """Right after opt.step() the update may still run: module.state_dict(), opt.state_dict(),
     opt.zero_grad(set_to_none=False) and remove() finish it first, so each sees (or zeroes after)
@@ -521,7 +575,7 @@ def test_activation_buffers_are_made_once():
     m = stack()
     ref = copy.deepcopy(m)
     opt, opt_ref = (torch.optim.SGD(x.parameters(), lr=0.05) for x in (m, ref))
-    off = spt.offload(m, budget="8MiB", optimizer=opt, **EMU)
+    off = spt.offload(m, budget="8MiB", optimizer=opt, **EMU, train_on_device=0)
     made = []
     make = off.context.buffer
     off.context.buffer = lambda n, *a, **k: made.append(n) or make(n, *a, **k)  # type: ignore[method-assign]
@@ -635,7 +689,7 @@ def test_trained_weights_are_units_small_enough_to_stream():
     assert len(frozen.units) <= 2  # inference: a few large units, uploaded once
     frozen.remove()
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    off = spt.offload(m, budget="64MiB", optimizer=opt, **EMU)
+    off = spt.offload(m, budget="64MiB", optimizer=opt, **EMU, train_on_device=0)
     layer = sum(p.numel() * p.element_size() for p in ref[0].parameters())  # a Linear is not split
     assert len(off.units) >= 8 and max(u.nbytes for u in off.units) <= layer
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -666,7 +720,7 @@ def test_prefetch_never_waits_for_a_trim_while_training():
     m = nn.Sequential(nn.Linear(64, 256), *[_MixedBlock(256, 704) for _ in range(3)], nn.Linear(256, 64))
     ref = copy.deepcopy(m)
     opt, opt_ref = (torch.optim.SGD(x.parameters(), lr=0.01) for x in (m, ref))
-    off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", prefetch="on", emu_link_gbps=200)
+    off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", prefetch="on", emu_link_gbps=200, train_on_device=0)
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(5))
     trims = []
     h2d0 = off.context.stats()["bytes_h2d"]["total"]

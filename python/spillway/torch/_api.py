@@ -13,7 +13,8 @@ from ._pipeline import offload_all
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
-            host_update: str = "spillway", overlap_update: bool = False, **options: Any) -> Any:
+            host_update: str = "spillway", overlap_update: bool = False, train_on_device: Any = "auto",
+            **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -65,6 +66,14 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     the module's state_dict(), Offload.synchronize() and remove(); anything else that reads the
     parameters or opt's state before those must call Offload.synchronize() first. Off by
     default. Results are bitwise those of overlap_update=False.
+    train_on_device: with optimizer=, the trainable parameters kept on the device with their
+    gradients and opt's state, updated there by opt's own step, the rest being offloaded and
+    updated on the host as above: the first ones in the module's order (its first blocks, as
+    a rule), their bytes, gradients and state taken from the budget. "auto" (default): as many
+    as take at most half of the budget so, and fewer where the streamed units then have no
+    room; a fraction in [0, 1]: that share of the trainable bytes (0: all on the host). The
+    host update reads and writes every byte of state each step, bound by host memory; on the
+    device the same update takes a small part of the step.
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward
@@ -92,4 +101,4 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
                           optimizer=optimizer, activations=bool(stash), host_update=host_update,
-                          overlap_update=bool(overlap_update))
+                          overlap_update=bool(overlap_update), train_on_device=train_on_device)

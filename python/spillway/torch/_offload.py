@@ -84,8 +84,8 @@ import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context
-from ..errors import StateError, error_for
+from ..core import Context, format_size
+from ..errors import ConfigError, InvalidArgument, StateError, error_for
 from .. import errors as _errors
 from . import _alloc, _overlap, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
@@ -116,6 +116,10 @@ _HIST_LAST = _HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
 
 
+def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
+    return sum(p.numel() * p.element_size() for _, p in params.values())
+
+
 def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
     """The forward of a deep copy of an offloaded module: its class's, on the copy's own tensors
     (copies of the host views), with nothing acquired."""
@@ -134,7 +138,7 @@ class Offload:
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
                activations: bool = False, host_update: str = "spillway",
-               overlap_update: bool = False) -> "Offload":
+               overlap_update: bool = False, train_on_device: Any = "auto") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         _setup.check_new(module)
@@ -160,10 +164,41 @@ class Offload:
 
         # ---- the units (nothing moves yet) and the room a forward needs ----
         self._given_blocks = blocks is not None
-        streamed = sum(p.numel() * p.element_size() for _, p in trainable.values()) if optimizer is not None else 0
-        units, needs, hooked = _setup.units(module, blocks, kept, trainable, names, budget_v, streamed)
-        page = _ARENA_PAGE if shared is not None else _setup.own_context_options(ctx_opts, units, activations)
-        self.min_budget = _setup.check_room(module, units, needs, names, page, budget_v)
+        if optimizer is not None:
+            kept = _setup.trained_on_device(trainable, optimizer, train_on_device, budget_v)
+        while True:
+            # optimizer=: the parameters trained on the device take their bytes, gradients and
+            # state from the budget (under a shared context they are its allocations already)
+            cost = _nbytes_of(kept) * _setup.state_factor(optimizer) if optimizer is not None else 0
+            # in whole arena pages, so that what is left of a budget of whole pages is whole pages too
+            paged = -(-cost // _ARENA_PAGE) * _ARENA_PAGE
+            ctx_budget = budget_v - paged if shared is None else budget_v
+            opts = dict(ctx_opts)
+            try:
+                if ctx_budget <= 0:
+                    raise ConfigError(
+                        f"offload: train_on_device={train_on_device!r} keeps {format_size(_nbytes_of(kept))} of "
+                        f"parameters on the device, {format_size(cost)} with their gradients and optimizer state "
+                        f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget_v)}) or "
+                        "more; lower it")
+                streamed = _nbytes_of(trainable) - _nbytes_of(kept) if optimizer is not None else 0
+                units, needs, hooked = _setup.units(module, blocks, kept, trainable, names, ctx_budget, streamed)
+                page = _ARENA_PAGE if shared is not None else _setup.own_context_options(opts, units, activations)
+                self.min_budget = _setup.check_room(module, units, needs, names, page, ctx_budget)
+                break
+            except (ConfigError, InvalidArgument):
+                if optimizer is None or train_on_device != "auto" or not kept:
+                    raise
+                keep = list(kept.items())  # "auto" asked too much: half as many bytes on the device
+                half, acc, kept = _nbytes_of(kept) // 2, 0, {}
+                for k, v in keep:
+                    acc += v[1].numel() * v[1].element_size()
+                    if acc > half:
+                        break
+                    kept[k] = v
+        ctx_opts = opts
+        budget_v = ctx_budget
+        self.device_trained_bytes = cost
         self._owns_context = shared is None
         self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
         # the keyword options the context was created with (none under use_allocator's context)
@@ -171,7 +206,8 @@ class Offload:
 
         self.units = units
         self._needs = needs
-        self._trainable = list(kept.values())  # the trainable parameters that stay resident
+        # the trainable parameters that stay resident (optimizer=: those trained on the device)
+        self._trainable = list(kept.values())
         self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
         # optimizer=: the trainable parameters are offloaded and their host Parameters (the views
         # into the packs) are the master copy the optimizer updates on the host; its step is
@@ -256,6 +292,10 @@ class Offload:
                     if p.device != dev:
                         self._moved_trainable.append((p, p.device))
                         p.data = p.data.to(dev)
+                        if p.grad is not None:
+                            p.grad = p.grad.to(dev)
+            if self._train:  # the optimizer's state of the parameters trained on the device goes with them
+                _train.move_state(optimizer, "param", {id(p) for _, p in self._trainable})
             self._install(module, hooked)
             if self._train:
                 _train.wrap_step(self, optimizer)

@@ -91,14 +91,16 @@ def undo(off: Any) -> None:
         u.host_pairs = ()
         u.dev_set, u.dev_sets = None, {}
         u.dev_at = 0
-    if getattr(off, "_train", False):
+    for p, orig in off._moved_trainable:
+        p.data = p.data.to(orig)
+        if p.grad is not None:  # a parameter trained on the device (train_on_device): its gradient too
+            p.grad = p.grad.to(orig)
+    off._moved_trainable = []
+    if getattr(off, "_train", False):  # gradients and optimizer state to their parameters' devices
         _train.from_host(off, off.optimizer)
     for h in getattr(off, "_grad_hooks", ()):
         h.remove()
     off._grad_hooks = []
-    for p, orig in off._moved_trainable:
-        p.data = p.data.to(orig)
-    off._moved_trainable = []
     ctx = off.context
     for spare in getattr(off, "_stash_pool", {}).values():
         for b in spare.values():

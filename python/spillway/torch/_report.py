@@ -61,6 +61,7 @@ def stats(off: Any) -> Dict[str, Any]:
     h["units"] = len(off.units)
     h["offloaded_bytes"] = sum(u.nbytes for u in off.units)
     h["resident_trainable_bytes"] = sum(p.numel() * p.element_size() for _, p in off._trainable)
+    h["device_trained_bytes"] = off.device_trained_bytes  # train_on_device: with gradients and state
     out["offload"] = h
     return out
 
@@ -113,7 +114,12 @@ def summary(off: Any) -> str:
     if off._trainable:
         nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
         shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")
-        lines.append(f"  kept resident     {len(off._trainable)} trainable parameters, {format_size(nb)}: {shown}")
+        if off.optimizer is not None:
+            lines.append(f"  trained on device {_plural(len(off._trainable), 'trainable parameter')}, {format_size(nb)} "
+                         f"({format_size(off.device_trained_bytes)} of the budget with their gradients and state), "
+                         f"by {type(off.optimizer).__name__}'s own step: {shown}")
+        else:
+            lines.append(f"  kept resident     {len(off._trainable)} trainable parameters, {format_size(nb)}: {shown}")
     lines += [
         f"  steps             {off.steps}",
         f"  moved per step    {format_size(s['bytes_h2d']['total'] // steps)} host to device "

@@ -78,6 +78,48 @@ def trainable(module: nn.Module, params: List[torch.Tensor], optimizer: Any,
     return grads, ({} if offload_trainable else grads)
 
 
+def state_factor(optimizer: Any) -> int:
+    """Device bytes one byte of a parameter trained on the device takes: itself, its gradient
+    and the optimizer's state of it (Adam and AdamW: two moments, three with amsgrad; SGD: a
+    momentum buffer when it has momentum; any other optimizer is counted as Adam)."""
+    groups = optimizer.param_groups
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 4 + any(g.get("amsgrad", False) for g in groups)
+    if isinstance(optimizer, torch.optim.SGD):
+        return 2 + any(g.get("momentum", 0) for g in groups)
+    return 4
+
+
+def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any, share: Any,
+                      budget: int) -> Dict[int, Tuple[str, torch.Tensor]]:
+    """The trainable parameters offload(optimizer=) keeps on the device, with their gradients and
+    the optimizer's state, updated there by the optimizer's own step: the first ones in the
+    module's order (the forward's, as a rule: its first blocks are then ready first after a
+    step), up to `share` of the trained bytes (a float in [0, 1]) or, for "auto", as many as
+    take at most AUTO_SHARE of the budget with their gradients and state."""
+    if isinstance(share, bool) or not (share == "auto" or isinstance(share, (int, float))):
+        raise ConfigError(f"offload: train_on_device must be 'auto' or a fraction in [0, 1], got {share!r}")
+    if share != "auto" and not 0 <= share <= 1:
+        raise ConfigError(f"offload: train_on_device = {share!r} is not a fraction in [0, 1]")
+    total = sum(p.numel() * p.element_size() for _, p in grads.values())
+    factor = state_factor(optimizer)
+    cap = total * share if share != "auto" else budget * AUTO_SHARE / factor
+    kept: Dict[int, Tuple[str, torch.Tensor]] = {}
+    used = 0
+    for k, (name, p) in grads.items():
+        nb = p.numel() * p.element_size()
+        if used + nb > cap:
+            break
+        kept[k] = (name, p)
+        used += nb
+    return kept
+
+
+# Of an offload's budget, what parameters trained on the device may take with their gradients and
+# state when train_on_device="auto": the rest holds the streamed units and the activations.
+AUTO_SHARE = 0.5
+
+
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
           grads: Dict[int, Any], names: Dict[int, str], budget: int,
           streamed: int) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:

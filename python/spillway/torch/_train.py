@@ -136,7 +136,7 @@ def to_host(off: Any, opt: torch.optim.Optimizer) -> None:
             g = None if e.is_buffer else e.tensor.grad
             if g is not None and g.device != e.host_view.device:
                 e.tensor.grad = g.to(e.host_view.device)
-    _move_state(opt, None)
+    move_state(opt, None)
 
 
 def from_host(off: Any, opt: torch.optim.Optimizer) -> None:
@@ -145,14 +145,16 @@ def from_host(off: Any, opt: torch.optim.Optimizer) -> None:
             g = None if e.is_buffer else e.tensor.grad
             if g is not None and g.device != e.tensor.device:
                 e.tensor.grad = g.to(e.tensor.device)
-    _move_state(opt, "param")
+    move_state(opt, "param")
 
 
-def _move_state(opt: torch.optim.Optimizer, to: Optional[str]) -> None:
-    """opt's state tensors of each parameter (but "step") to the host (to None) or to the
-    parameter's device (to "param")."""
+def move_state(opt: torch.optim.Optimizer, to: Optional[str], only: Optional[set] = None) -> None:
+    """opt's state tensors of each parameter (but "step"), or of those whose id is in only, to
+    the host (to None) or to the parameter's device (to "param")."""
     for group in opt.param_groups:
         for p in group["params"]:
+            if only is not None and id(p) not in only:
+                continue
             st = opt.state.get(p)
             if not st:
                 continue
@@ -204,7 +206,11 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         done: set = set()
         try:
             if off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
-                    (_overlap_start if off.overlap_update else c_adamw_step)(opt, off, done):
+                    _c_eligible(opt, off):
+                # the parameters trained on the device first: their step is enqueued on the
+                # device, which runs it while the host updates the others
+                device_step(off, opt, inner)
+                (_overlap_start if off.overlap_update else c_adamw_step)(opt, off, done)
                 off.c_steps += 1
                 return None
             return inner(*args, **kwargs)
@@ -252,6 +258,26 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
     wrap(opt, "zero_grad", lambda a, k: zeroes(a, k, default))
     wrap(opt, "state_dict", lambda a, k: True)
     wrap(off.module, "state_dict", lambda a, k: True)
+
+
+def device_step(off: Any, opt: torch.optim.Optimizer, inner: Any) -> None:
+    """opt's own step (inner) over the parameters trained on the device (train_on_device) and
+    none other: the host-trained parameters' gradients are hidden from it (set to None, as
+    torch's optimizers skip a parameter without one) and put back after. Nothing to do when
+    every trained parameter is offloaded."""
+    if not off._trainable:
+        return
+    pu = off._param_unit
+    hidden = [(p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None and id(p) in pu]
+    if len(hidden) == sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None):
+        return  # no parameter trained on the device has a gradient
+    try:
+        for p, _ in hidden:
+            p.grad = None
+        inner()
+    finally:
+        for p, g in hidden:
+            p.grad = g
 
 
 def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
@@ -307,10 +333,17 @@ def _renew(off: Any, u: _Unit) -> None:
     off.step_evictions += 1
 
 
-def _c_eligible(opt: torch.optim.Optimizer) -> bool:
-    """Whether spillway's C AdamW can run opt's step as torch.optim.AdamW's single-tensor path
-    would: exactly AdamW, plain float lr, no foreach/fused/capturable/differentiable, every
-    parameter with a gradient a contiguous float32 CPU tensor with a dense float32 gradient."""
+def _host_trained(off: Any, p: torch.Tensor) -> bool:
+    """Whether the C step updates p: a parameter offloaded with off (not one it trains on the
+    device), or any parameter without an offload."""
+    return off is None or id(p) in off._param_unit
+
+
+def _c_eligible(opt: torch.optim.Optimizer, off: Any = None) -> bool:
+    """Whether spillway's C AdamW can run opt's step, for the parameters it updates
+    (_host_trained), as torch.optim.AdamW's single-tensor path would: exactly AdamW, plain float
+    lr, no foreach/fused/capturable/differentiable, every such parameter with a gradient a
+    contiguous float32 CPU tensor with a dense float32 gradient."""
     if type(opt) is not torch.optim.AdamW:
         return False
     for g in opt.param_groups:
@@ -320,7 +353,7 @@ def _c_eligible(opt: torch.optim.Optimizer) -> bool:
             return False
         for p in g["params"]:
             q = p.grad
-            if q is None:
+            if q is None or not _host_trained(off, p):
                 continue
             if (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or q.is_sparse
                     or q.dtype != torch.float32 or not q.is_contiguous()):
@@ -336,14 +369,14 @@ def adamw_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[List[Tup
     "exp_avg", "exp_avg_sq", "max_exp_avg_sq", so state_dict() and a later torch step carry on)
     and each step count incremented; the hyper-parameters are copied into the calls, so that a
     scheduler changing them afterwards changes the next step only."""
-    if not _c_eligible(opt):
+    if not _c_eligible(opt, off):
         return None
     pu = off._param_unit if off is not None else {}
     # unit index (-1: none) -> group index -> its parameters with a gradient, in the group's order
     work: Dict[int, Dict[int, list]] = {}
     for gi, g in enumerate(opt.param_groups):
         for p in g["params"]:
-            if p.grad is not None:
+            if p.grad is not None and _host_trained(off, p):
                 u = pu.get(id(p))
                 work.setdefault(u.index if u is not None else -1, {}).setdefault(gi, []).append(p)
     units = {u.index: u for u in pu.values()}
