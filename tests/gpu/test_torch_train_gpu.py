@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -62,14 +63,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def close_params(m: nn.Module, ref: nn.Module, tol: float) -> float:
-    """The worst rel() of m's parameters against ref's; tol 0: bitwise equal."""
+def close_params(m: nn.Module, ref: nn.Module, tol: float, loose: Any = (), loose_tol: float = 0.0) -> float:
+    """The worst rel() of m's parameters against ref's; tol 0: bitwise equal. Those whose id is
+    in loose are held to loose_tol."""
     worst = 0.0
     for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         if tol == 0:
             assert torch.equal(p.detach(), q.detach().cpu()), n
             continue
         r = rel(p, q)
+        if id(p) in loose:
+            assert r <= loose_tol, (n, r)
+            continue
         worst = max(worst, r)
         assert r <= tol, (n, r)
     return worst
@@ -155,7 +160,9 @@ def test_train_offloaded_decoder_on_the_device(case):
         ref.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         off.synchronize()  # the overlapped update may still write the parameters
-        worst_param = max(worst_param, close_params(m, ref, tol))
+        # the parameters trained on the device: CUDA's AdamW against the reference's on the host,
+        # on gradients equal to rounding; AdamW's first steps scale such differences up to lr
+        worst_param = max(worst_param, close_params(m, ref, tol, kept, 1e-3))
     assert worst_loss <= 1e-4 if tol else worst_loss == 0
     h = off.stats()["offload"]
     if scaled:  # the steps the scaler skipped (inf gradients) never reached the optimizer
