@@ -422,18 +422,13 @@ def test_the_first_parameters_are_trained_on_the_device(micro, clip, overlap):
 
 def test_train_on_device_auto():
     """train_on_device="auto" (the default) keeps the first parameters that take, with their
-    gradients, AdamW's two moments and the step's temporaries, at most half of the budget (70%
-    for a model that recomputes its activations in backward), and none where that would leave
-    the streamed units no room."""
+    gradients, AdamW's two moments and the step's temporaries, at most half of the budget, and
+    none where that would leave the streamed units no room."""
     m = stack(8)
     opt = torch.optim.AdamW(m.parameters())
     off = spt.offload(m, budget="20MiB", optimizer=opt, **EMU)
     assert [n for n, _ in off._trainable] == ["0.weight", "0.bias"]  # 2 MiB of parameters at most
     assert off.device_trained_bytes == 5 * sum(p.numel() * 4 for _, p in off._trainable)
-    off.remove()
-    m.is_gradient_checkpointing = True  # as transformers' models say after gradient_checkpointing_enable()
-    off = spt.offload(m, budget="20MiB", optimizer=torch.optim.AdamW(m.parameters()), **EMU)
-    assert [n for n, _ in off._trainable] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # 2.8 MiB at most
     off.remove()
     small = spt.offload(m, budget="4MiB", optimizer=torch.optim.AdamW(m.parameters()), **EMU)
     assert small._trainable == [] and small.context.stats()["budget"] == 4 << 20

@@ -165,7 +165,7 @@ class Offload:
         # ---- the units (nothing moves yet) and the room a forward needs ----
         self._given_blocks = blocks is not None
         if optimizer is not None:
-            kept = _setup.trained_on_device(trainable, optimizer, train_on_device, budget_v, _setup.recomputes(module))
+            kept = _setup.trained_on_device(trainable, optimizer, train_on_device, budget_v)
         while True:
             # optimizer=: the parameters trained on the device take their bytes, gradients and
             # state from the budget (under a shared context they are its allocations already)

@@ -93,21 +93,19 @@ def state_factor(optimizer: Any) -> int:
 
 
 def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any, share: Any,
-                      budget: int, recomputes: bool = False) -> Dict[int, Tuple[str, torch.Tensor]]:
+                      budget: int) -> Dict[int, Tuple[str, torch.Tensor]]:
     """The trainable parameters offload(optimizer=) keeps on the device, with their gradients and
     the optimizer's state, updated there by the optimizer's own step: the first ones in the
     module's order (the forward's, as a rule: its first blocks are then ready first after a
     step), up to `share` of the trained bytes (a float in [0, 1]) or, for "auto", as many as
-    take at most AUTO_SHARE of the budget with their gradients and state (AUTO_SHARE_CKPT of it
-    for a model that recomputes its activations, whose budget holds little but the streamed
-    units)."""
+    take at most AUTO_SHARE of the budget with their gradients and state."""
     if isinstance(share, bool) or not (share == "auto" or isinstance(share, (int, float))):
         raise ConfigError(f"offload: train_on_device must be 'auto' or a fraction in [0, 1], got {share!r}")
     if share != "auto" and not 0 <= share <= 1:
         raise ConfigError(f"offload: train_on_device = {share!r} is not a fraction in [0, 1]")
     total = sum(p.numel() * p.element_size() for _, p in grads.values())
     factor = state_factor(optimizer)
-    cap = total * share if share != "auto" else budget * (AUTO_SHARE_CKPT if recomputes else AUTO_SHARE) / factor
+    cap = total * share if share != "auto" else budget * AUTO_SHARE / factor
     kept: Dict[int, Tuple[str, torch.Tensor]] = {}
     used = 0
     for k, (name, p) in grads.items():
@@ -121,18 +119,9 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
 
 # Of an offload's budget, what parameters trained on the device may take with their gradients and
 # state when train_on_device="auto": the rest holds the streamed units and the activations saved
-# for backward; a model that recomputes them (gradient checkpointing) saves few.
+# for backward. Also with recomputed activations (gradient checkpointing) the streamed units need
+# that room: each is used in the forward and again in the recomputation (bench/RESULTS.md).
 AUTO_SHARE = 0.5
-AUTO_SHARE_CKPT = 0.7
-
-
-def recomputes(module: nn.Module) -> bool:
-    """Whether module recomputes its activations in backward: a transformers model after
-    gradient_checkpointing_enable() says so (is_gradient_checkpointing)."""
-    try:
-        return bool(getattr(module, "is_gradient_checkpointing", False))
-    except Exception:  # a property that fails on this module: not one that says so
-        return False
 
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
