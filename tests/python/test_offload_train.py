@@ -435,6 +435,35 @@ def test_train_on_device_auto():
     small.remove()
 
 
+def test_train_on_device_auto_leaves_the_streamed_units_their_room():
+    """Where the parameters "auto" would keep leave the offload's context less than the units
+    need (a 3.4 MiB last layer after eight small ones), it keeps half as many bytes, and so on;
+    training is still equal to resident's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)], nn.Linear(128, 7000))
+    ref = copy.deepcopy(m)
+    opt, opt_ref = torch.optim.AdamW(m.parameters()), torch.optim.AdamW(ref.parameters())
+    # "auto" first asks for all eight small layers: 2.5 MiB with their gradients and state, 4 MiB
+    # in whole pages, leaving 4 MiB where the last layer alone needs 6 (its 2 MiB pages and the
+    # small ones')
+    off = spt.offload(m, budget="8MiB", optimizer=opt, **EMU)
+    assert [n for n, _ in off._trainable] == [f"{i}.{w}" for i in range(4) for w in ("weight", "bias")]
+    assert off.context.stats()["budget"] == 6 << 20 and off.min_budget <= 6 << 20
+    for step in range(3):
+        x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
+        loss = m(x).square().mean()
+        want = ref(x).square().mean()
+        assert torch.equal(loss, want)
+        loss.backward()
+        want.backward()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    assert_params_equal(m, ref)
+    off.remove()
+
+
 @pytest.mark.parametrize("share,exc,match", [
     (1.5, spillway.ConfigError, "train_on_device = 1.5 is not a fraction"),
     ("half", spillway.ConfigError, "train_on_device must be 'auto' or a fraction"),

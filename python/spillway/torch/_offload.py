@@ -84,12 +84,12 @@ import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context, format_size
-from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from ..core import Context
+from ..errors import StateError, error_for
 from .. import errors as _errors
 from . import _alloc, _overlap, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
-from ._device import _ARENA_PAGE, _resolve_device
+from ._device import _resolve_device
 from ._errors import OutOfMemoryError
 from ._saved import saving
 from ._units import _DevSet, _Unit, _columns, _param_owners, _storage_at
@@ -114,10 +114,6 @@ _STASH_MIN = 1 << 20  # activations below this stay PyTorch's: a buffer each wou
 _HIST_BUCKETS = 4096
 _HIST_LAST = _HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
-
-
-def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
-    return sum(p.numel() * p.element_size() for _, p in params.values())
 
 
 def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -164,41 +160,11 @@ class Offload:
 
         # ---- the units (nothing moves yet) and the room a forward needs ----
         self._given_blocks = blocks is not None
-        if optimizer is not None:
-            kept = _setup.trained_on_device(trainable, optimizer, train_on_device, budget_v)
-        while True:
-            # optimizer=: the parameters trained on the device take their bytes, gradients and
-            # state from the budget (under a shared context they are its allocations already)
-            cost = _nbytes_of(kept) * _setup.state_factor(optimizer) if optimizer is not None else 0
-            # in whole arena pages, so that what is left of a budget of whole pages is whole pages too
-            paged = -(-cost // _ARENA_PAGE) * _ARENA_PAGE
-            ctx_budget = budget_v - paged if shared is None else budget_v
-            opts = dict(ctx_opts)
-            try:
-                if ctx_budget <= 0:
-                    raise ConfigError(
-                        f"offload: train_on_device={train_on_device!r} keeps {format_size(_nbytes_of(kept))} of "
-                        f"parameters on the device, {format_size(cost)} with their gradients and optimizer state "
-                        f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget_v)}) or "
-                        "more; lower it")
-                streamed = _nbytes_of(trainable) - _nbytes_of(kept) if optimizer is not None else 0
-                units, needs, hooked = _setup.units(module, blocks, kept, trainable, names, ctx_budget, streamed)
-                page = _ARENA_PAGE if shared is not None else _setup.own_context_options(opts, units, activations)
-                self.min_budget = _setup.check_room(module, units, needs, names, page, ctx_budget)
-                break
-            except (ConfigError, InvalidArgument):
-                if optimizer is None or train_on_device != "auto" or not kept:
-                    raise
-                keep = list(kept.items())  # "auto" asked too much: half as many bytes on the device
-                half, acc, kept = _nbytes_of(kept) // 2, 0, {}
-                for k, v in keep:
-                    acc += v[1].numel() * v[1].element_size()
-                    if acc > half:
-                        break
-                    kept[k] = v
-        ctx_opts = opts
-        budget_v = ctx_budget
-        self.device_trained_bytes = cost
+        lay = _setup.layout(module, blocks, names, trainable, kept, optimizer, train_on_device, budget_v,
+                            shared is not None, ctx_opts, activations)
+        kept, units, needs, hooked = lay.kept, lay.units, lay.needs, lay.hooked
+        self.min_budget, budget_v, ctx_opts = lay.min_budget, lay.budget, lay.ctx_opts
+        self.device_trained_bytes = lay.device_trained
         self._owns_context = shared is None
         self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
         # the keyword options the context was created with (none under use_allocator's context)

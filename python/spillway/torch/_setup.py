@@ -4,7 +4,7 @@ context, and the room a forward needs. Nothing here moves a tensor or calls the 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -122,6 +122,62 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
 # for backward. Also with recomputed activations (gradient checkpointing) the streamed units need
 # that room: each is used in the forward and again in the recomputation (bench/RESULTS.md).
 AUTO_SHARE = 0.5
+
+
+def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
+    return sum(p.numel() * p.element_size() for _, p in params.values())
+
+
+class Layout(NamedTuple):
+    """What offload() places where, decided before anything moves (layout)."""
+    kept: Dict[int, Tuple[str, torch.Tensor]]  # trainable parameters that stay resident
+    units: List[_Unit]
+    needs: Dict[int, List[_Unit]]  # id(module) -> the units its hook acquires
+    hooked: List[nn.Module]
+    min_budget: int  # the least budget a forward runs in (check_room)
+    budget: int  # the offload context's: what the parameters trained on the device leave
+    ctx_opts: Dict[str, Any]  # the context's options, its defaults filled in
+    device_trained: int  # bytes the parameters trained on the device take with gradients and state
+
+
+def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict[int, str],
+           grads: Dict[int, Tuple[str, torch.Tensor]], kept: Dict[int, Tuple[str, torch.Tensor]],
+           optimizer: Any, train_on_device: Any, budget: int, shared: bool, ctx_opts: Dict[str, Any],
+           activations: bool) -> Layout:
+    """The units and the room they need for a budget; with optimizer=, first which trainable
+    parameters are trained on the device (trained_on_device), whose bytes, gradients and state
+    the budget then gives up in whole arena pages (under a shared context they are its
+    allocations already). Where "auto" keeps so many that the units have no room, it keeps half
+    as many bytes, and so on; an explicit share that leaves no room is a ConfigError."""
+    if optimizer is not None:
+        kept = trained_on_device(grads, optimizer, train_on_device, budget)
+    while True:
+        cost = _nbytes_of(kept) * state_factor(optimizer) if optimizer is not None else 0
+        paged = -(-cost // _ARENA_PAGE) * _ARENA_PAGE
+        ctx_budget = budget if shared else budget - paged
+        opts = dict(ctx_opts)
+        try:
+            if ctx_budget <= 0:
+                raise ConfigError(
+                    f"offload: train_on_device={train_on_device!r} keeps {format_size(_nbytes_of(kept))} of "
+                    f"parameters on the device, {format_size(cost)} with their gradients and optimizer state "
+                    f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget)}) or more; "
+                    "lower it")
+            streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
+            made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed)
+            page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
+            need = check_room(module, made, needs, names, page, ctx_budget)
+            return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost)
+        except (ConfigError, InvalidArgument):
+            if optimizer is None or train_on_device != "auto" or not kept:
+                raise
+            half, acc, fewer = _nbytes_of(kept) // 2, 0, {}
+            for k, (name, p) in kept.items():
+                acc += p.numel() * p.element_size()
+                if acc > half:
+                    break
+                fewer[k] = (name, p)
+            kept = fewer
 
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
