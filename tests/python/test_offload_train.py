@@ -420,6 +420,22 @@ def test_the_first_parameters_are_trained_on_the_device(micro, clip, overlap):
     finish(off, m, ref, stack_batches(9)[0])
 
 
+@pytest.mark.parametrize("host_update", ["torch", "spillway"])
+def test_an_optimizer_without_a_c_step_trains_both_parts(host_update):
+    """SGD with momentum (no C step): its own step runs over the parameters on the device and on
+    the host alike; host_update="torch" likewise for AdamW. Equal to resident throughout; the
+    momentum buffers and moments live where their parameters do."""
+    m = stack(9)
+    ref = copy.deepcopy(m)
+    make = ((lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)) if host_update == "spillway"
+            else (lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3)))
+    off = train(m, ref, make, stack_batches, mse, budget="10MiB", train_on_device=0.15, host_update=host_update)
+    assert [n for n, _ in off._trainable] == ["0.weight", "0.bias"] and off.c_steps == 0
+    for p in m.parameters():
+        assert all(v.data_ptr() != p.data_ptr() for v in off.optimizer.state[p].values() if torch.is_tensor(v))
+    finish(off, m, ref, stack_batches(9)[0])
+
+
 def test_train_on_device_auto():
     """train_on_device="auto" (the default) keeps the first parameters that take, with their
     gradients, AdamW's two moments and the step's temporaries, at most half of the budget, and
