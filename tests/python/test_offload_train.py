@@ -369,6 +369,30 @@ def check_refused(m: nn.Module, exc, match: str, **kw) -> None:
     assert torch.equal(m(x), ref(x))  # still usable, resident
 
 
+@pytest.mark.parametrize("make", [
+    lambda mod: torch.optim.Adam(mod.parameters(), lr=1e-3, weight_decay=0.1),
+    lambda mod: torch.optim.Adam(mod.parameters(), lr=1e-3, amsgrad=True, maximize=True),
+    lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+    lambda mod: torch.optim.SGD([{"params": list(mod.parameters())[:4], "momentum": 0.5},
+                                 {"params": list(mod.parameters())[4:]}], lr=0.05),
+], ids=["adam", "adam-amsgrad-maximize", "sgd-momentum-dampening", "sgd-nesterov", "sgd-two-groups"])
+def test_adam_and_sgd_by_spillways_c_step(make):
+    """Adam and SGD run in the C kernels too (spillway.optim.adam_step, sgd_step): equal to
+    torch's single-tensor step of the resident copy, step by step (SGD's first step sets each
+    momentum buffer to the gradient, as torch's None does), and the state carries on."""
+    m = stack(6)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, make, stack_batches, mse, host_update="spillway")
+    assert off.c_steps == STEPS
+    st = off.optimizer.state
+    for g in off.optimizer.param_groups:
+        for p in g["params"]:
+            assert (float(st[p]["step"]) == STEPS) if "betas" in g else \
+                (("momentum_buffer" in st[p]) == bool(g["momentum"]))
+    finish(off, m, ref, stack_batches(9)[0])
+
+
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_adamw_by_spillways_c_step(amsgrad):
     """host_update="spillway": AdamW's step runs in the C kernels on opt's own state; equal to
@@ -422,12 +446,12 @@ def test_the_first_parameters_are_trained_on_the_device(micro, clip, overlap):
 
 @pytest.mark.parametrize("host_update", ["torch", "spillway"])
 def test_an_optimizer_without_a_c_step_trains_both_parts(host_update):
-    """SGD with momentum (no C step): its own step runs over the parameters on the device and on
-    the host alike; host_update="torch" likewise for AdamW. Equal to resident throughout; the
-    momentum buffers and moments live where their parameters do."""
+    """RMSprop (no C step): its own step runs over the parameters on the device and on the host
+    alike; host_update="torch" likewise for AdamW. Equal to resident throughout; the state lives
+    where its parameters do."""
     m = stack(9)
     ref = copy.deepcopy(m)
-    make = ((lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)) if host_update == "spillway"
+    make = ((lambda mod: torch.optim.RMSprop(mod.parameters(), lr=1e-3, momentum=0.9)) if host_update == "spillway"
             else (lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3)))
     off = train(m, ref, make, stack_batches, mse, budget="10MiB", train_on_device=0.15, host_update=host_update)
     assert [n for n, _ in off._trainable] == ["0.weight", "0.bias"] and off.c_steps == 0
@@ -544,8 +568,8 @@ def test_overlapped_update_is_finished_where_it_is_read(monkeypatch):
 def test_host_update_falls_back_to_the_optimizers_own_step():
     m = stack(4)
     ref = copy.deepcopy(m)
-    off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05), stack_batches, mse,
-                host_update="spillway")  # not AdamW: torch's step
+    off = train(m, ref, lambda mod: torch.optim.Adagrad(mod.parameters(), lr=0.05), stack_batches, mse,
+                host_update="spillway")  # not AdamW, Adam or SGD: torch's step
     assert off.c_steps == 0
     finish(off, m, ref, stack_batches(9)[0])
     with pytest.raises(spillway.ConfigError, match="host_update"):

@@ -52,13 +52,14 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     opt is not an Optimizer, holds a parameter that is not a trainable parameter of module, or
     module has none; with offload_trainable=False it is a ConfigError. One module only (not a
     list or a pipeline).
-    host_update: "spillway" (default): a torch.optim.AdamW's step runs in spillway's C AdamW
-    (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own state, where every
+    host_update: "spillway" (default): a torch.optim.AdamW's, Adam's or SGD's step runs in
+    spillway's C kernels (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own
+    state, where every
     parameter is a contiguous float32 CPU tensor and the group asks for nothing the C step
     lacks (foreach, fused, capturable, a closure); otherwise, and for every other optimizer,
     opt's own step runs. "torch": always opt's own step (on the host: torch's CPU kernels,
     bitwise what opt computes on a CPU model).
-    overlap_update: with optimizer= and the C AdamW (host_update="spillway"), opt.step() starts
+    overlap_update: with optimizer= and the C step (host_update="spillway"), opt.step() starts
     the update on a background thread and returns; it runs unit by unit in the order of the
     forward, and the next forward waits for each unit's update only when it reaches it, so the
     update overlaps the forward instead of preceding it. The update is finished by the end of

@@ -9,7 +9,7 @@ Contracts:
   once, and nothing uploads the host copy meanwhile (the plan's prefetches of it move nothing);
   the end makes the updated host copy the contents.
 - The work (which tensors, the step counts, the hyper-parameters) is taken in opt.step() on the
-  caller's thread (_train.adamw_work); only the C kernels run on the background thread, with the
+  caller's thread (_train.step_work); only the C kernels run on the background thread, with the
   interpreter lock released, on a pool that leaves two of the process's CPUs to the caller.
 - The update is finished (waited for, and its error raised, as a StateError naming it) by the
   end of the next top-level forward, the next opt.step(), opt.zero_grad(set_to_none=False),
@@ -86,8 +86,8 @@ class Update:
     def _run(self) -> None:
         try:
             for unit, calls in self.work:
-                for c in calls:
-                    spw_optim.adamw_step(pool=self.pool, **c)
+                for kernel, kw in calls:
+                    kernel(pool=self.pool, **kw)
                 if unit is not None:
                     self.open.remove(unit)
                     st = _lib_c.spw_buf_host_end(unit.handle)

@@ -210,7 +210,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
                 # the parameters trained on the device first: their step is enqueued on the
                 # device, which runs it while the host updates the others
                 device_step(off, opt, inner)
-                (_overlap_start if off.overlap_update else c_adamw_step)(opt, off, done)
+                (_overlap_start if off.overlap_update else c_step)(opt, off, done)
                 off.c_steps += 1
                 return None
             return inner(*args, **kwargs)
@@ -281,10 +281,10 @@ def device_step(off: Any, opt: torch.optim.Optimizer, inner: Any) -> None:
 
 
 def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
-    """Start opt's C AdamW update beside the next forward (_overlap.Update); False, nothing
-    done, where the C step does not apply. done gets the units it opened (their device copies
-    are dropped already)."""
-    work = adamw_work(opt, off)
+    """Start opt's C update beside the next forward (_overlap.Update); False, nothing done,
+    where the C step does not apply. done gets the units it opened (their device copies are
+    dropped already)."""
+    work = step_work(opt, off)
     if work is None:
         return False
     if off._update_pool is None:
@@ -301,7 +301,7 @@ def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
 def refresh(off: Any, done: Optional[set] = None) -> None:
     """Drop the device copy of every unit holding a parameter of the optimizer (spw_evict;
     a read-only buffer's copy is dropped without a transfer): the next acquire uploads the
-    host copy the step updated. done: indices of units already refreshed (c_adamw_step)."""
+    host copy the step updated. done: indices of units already refreshed (c_step)."""
     if off._depth or off._acquired:
         raise StateError("spillway.torch: the optimizer stepped during a forward of the offloaded module; "
                          "call opt.step() after backward")
@@ -339,14 +339,28 @@ def _host_trained(off: Any, p: torch.Tensor) -> bool:
     return off is None or id(p) in off._param_unit
 
 
+def _kernel(opt: torch.optim.Optimizer, group: Dict[str, Any]) -> Any:
+    """The spillway.optim step that computes what opt's single-tensor path computes for this
+    group, or None: AdamW (and Adam with decoupled weight decay), Adam, SGD; exactly those
+    classes, not subclasses, which may change the update."""
+    t = type(opt)
+    if t is torch.optim.AdamW or (t is torch.optim.Adam and group.get("decoupled_weight_decay", False)):
+        return spw_optim.adamw_step
+    if t is torch.optim.Adam:
+        return spw_optim.adam_step
+    if t is torch.optim.SGD:
+        return spw_optim.sgd_step
+    return None
+
+
 def _c_eligible(opt: torch.optim.Optimizer, off: Any = None) -> bool:
-    """Whether spillway's C AdamW can run opt's step, for the parameters it updates
-    (_host_trained), as torch.optim.AdamW's single-tensor path would: exactly AdamW, plain float
-    lr, no foreach/fused/capturable/differentiable, every such parameter with a gradient a
-    contiguous float32 CPU tensor with a dense float32 gradient."""
-    if type(opt) is not torch.optim.AdamW:
-        return False
+    """Whether spillway's C step (_kernel) can run opt's step, for the parameters it updates
+    (_host_trained), as torch's single-tensor path would: AdamW, Adam or SGD, plain float lr, no
+    foreach/fused/capturable/differentiable, every such parameter with a gradient a contiguous
+    float32 CPU tensor with a dense float32 gradient."""
     for g in opt.param_groups:
+        if _kernel(opt, g) is None:
+            return False
         if g.get("foreach") or g.get("fused") or g.get("capturable") or g.get("differentiable"):
             return False
         if not isinstance(g["lr"], float):
@@ -361,14 +375,17 @@ def _c_eligible(opt: torch.optim.Optimizer, off: Any = None) -> bool:
     return True
 
 
-def adamw_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[List[Tuple[Optional[_Unit], List[Dict[str, Any]]]]]:
-    """opt.step()'s work for spillway's C AdamW, or None (nothing done) when _c_eligible says no:
-    (unit, the keyword arguments of each spillway.optim.adamw_step call for its parameters), in
-    the order of the units (the forward's, as a rule; parameters in no unit first). Everything a
-    step reads from opt is taken now: its state initialized as torch does (state["step"],
-    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", so state_dict() and a later torch step carry on)
-    and each step count incremented; the hyper-parameters are copied into the calls, so that a
-    scheduler changing them afterwards changes the next step only."""
+Work = List[Tuple[Optional[_Unit], List[Tuple[Any, Dict[str, Any]]]]]
+
+
+def step_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[Work]:
+    """opt.step()'s work for spillway's C step, or None (nothing done) when _c_eligible says no:
+    (unit, [(kernel, its keyword arguments)] for its parameters), in the order of the units (the
+    forward's, as a rule; parameters in no unit first). Everything a step reads from opt is
+    taken now: its state initialized as torch does (Adam: state["step"], "exp_avg",
+    "exp_avg_sq", "max_exp_avg_sq"; SGD: "momentum_buffer"), so that state_dict() and a later
+    torch step carry on, and each step count incremented; the hyper-parameters are copied into
+    the calls, so that a scheduler changing them afterwards changes the next step only."""
     if not _c_eligible(opt, off):
         return None
     pu = off._param_unit if off is not None else {}
@@ -380,46 +397,73 @@ def adamw_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[List[Tup
                 u = pu.get(id(p))
                 work.setdefault(u.index if u is not None else -1, {}).setdefault(gi, []).append(p)
     units = {u.index: u for u in pu.values()}
-    out: List[Tuple[Optional[_Unit], List[Dict[str, Any]]]] = []
+    out: Work = []
     with torch.no_grad():
         for ui in sorted(work):
-            calls: List[Dict[str, Any]] = []
+            calls: List[Tuple[Any, Dict[str, Any]]] = []
             for gi, params in work[ui].items():
                 g = opt.param_groups[gi]
-                by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
-                for p in params:
-                    st = opt.state[p]
-                    if not st:
-                        st["step"] = torch.tensor(0.)
-                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        if g["amsgrad"]:
-                            st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["step"] += 1
-                    lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
-                    for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
-                        lst.append(t)
-                for step, (ps, gs, m1, m2, mx) in by_step.items():
-                    calls.append(dict(params=ps, grads=gs, exp_avgs=m1, exp_avg_sqs=m2, step=step, lr=g["lr"],
-                                      betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
-                                      max_exp_avg_sqs=mx if g["amsgrad"] else None,
-                                      maximize=g.get("maximize", False)))
+                kernel = _kernel(opt, g)
+                maker = _sgd_calls if kernel is spw_optim.sgd_step else _adam_calls
+                calls += [(kernel, kw) for kw in maker(opt, g, params)]
             out.append((units[ui] if ui >= 0 else None, calls))
     return out
 
 
-def c_adamw_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
-    """opt.step() of a torch.optim.AdamW by spillway's C kernels (spillway.optim.adamw_step, all
-    cores, vectorized), on opt's own state (adamw_work). False, nothing done, when _c_eligible
-    says no: the caller runs torch's step. With off (an Offload), unit by unit in the order of
-    the units, each unit renewed (_renew) as soon as its parameters are done, its index added to
-    done; every parameter's update is the same whatever the order."""
-    work = adamw_work(opt, off)
+def _adam_calls(opt: torch.optim.Optimizer, g: Dict[str, Any], params: List[torch.Tensor]) -> List[Dict[str, Any]]:
+    """The adam_step/adamw_step calls of a group's parameters: one per step count."""
+    by_step: Dict[int, Tuple[list, list, list, list, list]] = {}
+    for p in params:
+        st = opt.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if g["amsgrad"]:
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["step"] += 1
+        lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
+        for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
+            lst.append(t)
+    return [dict(params=ps, grads=gs, exp_avgs=m1, exp_avg_sqs=m2, step=step, lr=g["lr"], betas=tuple(g["betas"]),
+                 eps=g["eps"], weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
+                 maximize=g.get("maximize", False))
+            for step, (ps, gs, m1, m2, mx) in by_step.items()]
+
+
+def _sgd_calls(opt: torch.optim.Optimizer, g: Dict[str, Any], params: List[torch.Tensor]) -> List[Dict[str, Any]]:
+    """The sgd_step calls of a group's parameters: with momentum, those whose buffer is still
+    torch's None (their first step: the kernel sets it to the gradient) apart from the others."""
+    hp = dict(lr=g["lr"], momentum=g["momentum"], dampening=g["dampening"], weight_decay=g["weight_decay"],
+              nesterov=g["nesterov"], maximize=g.get("maximize", False))
+    if not g["momentum"]:
+        return [dict(params=list(params), grads=[p.grad for p in params], **hp)]
+    first: Tuple[list, list, list] = ([], [], [])
+    later: Tuple[list, list, list] = ([], [], [])
+    for p in params:
+        st = opt.state[p]
+        buf = st.get("momentum_buffer")
+        lists = first if buf is None else later
+        if buf is None:
+            buf = st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+        for lst, t in zip(lists, (p, p.grad, buf)):
+            lst.append(t)
+    return [dict(params=ps, grads=gs, momentum_buffers=bs, first_step=lists is first, **hp)
+            for lists in (first, later) for ps, gs, bs in [lists] if ps]
+
+
+def c_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
+    """opt.step() of a torch.optim.AdamW, Adam or SGD by spillway's C kernels (spillway.optim:
+    all cores, vectorized), on opt's own state (step_work). False, nothing done, when
+    _c_eligible says no: the caller runs torch's step. With off (an Offload), unit by unit in the
+    order of the units, each unit renewed (_renew) as soon as its parameters are done, its index
+    added to done; every parameter's update is the same whatever the order."""
+    work = step_work(opt, off)
     if work is None:
         return False
     for unit, calls in work:
-        for c in calls:
-            spw_optim.adamw_step(**c)
+        for kernel, kw in calls:
+            kernel(**kw)
         if unit is not None and done is not None:
             _renew(off, unit)
             done.add(unit.index)
