@@ -97,7 +97,8 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
     """The trainable parameters offload(optimizer=) keeps on the device, with their gradients and
     the optimizer's state, updated there by the optimizer's own step: the first ones in the
     module's order (the forward's, as a rule: its first blocks are then ready first after a
-    step), up to `share` of the trained bytes (a float in [0, 1]) or, for "auto", as many as
+    step; leading ones too large for the share, such as a large vocabulary's embedding, are
+    passed over), up to `share` of the trained bytes (a float in [0, 1]) or, for "auto", as many as
     take at most AUTO_SHARE of the budget with their gradients and state."""
     if isinstance(share, bool) or not (share == "auto" or isinstance(share, (int, float))):
         raise ConfigError(f"offload: train_on_device must be 'auto' or a fraction in [0, 1], got {share!r}")
@@ -110,8 +111,10 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
     used = 0
     for k, (name, p) in grads.items():
         nb = p.numel() * p.element_size()
-        if used + nb > cap:
-            break
+        if used + nb > cap:  # one run of them: only those before the run (a large vocabulary's
+            if kept:           # embedding) are passed over
+                break
+            continue
         kept[k] = (name, p)
         used += nb
     return kept
