@@ -117,6 +117,8 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
             continue
         kept[k] = (name, p)
         used += nb
+    if share == "auto" and used * factor < _ARENA_PAGE:
+        return {}  # less than the page of the budget they would take (the budget gives up whole pages)
     return kept
 
 
