@@ -295,12 +295,14 @@ def test_a_closure_sees_the_parameters_of_each_of_its_calls():
     off.remove()
 
 
-def test_remove_puts_the_optimizer_back_and_training_goes_on_resident():
+@pytest.mark.parametrize("on_device", [0, 0.15])
+def test_remove_puts_the_optimizer_back_and_training_goes_on_resident(on_device):
     m = stack(8)
     ref = copy.deepcopy(m)
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    off = spt.offload(m, budget="4MiB", optimizer=opt, **EMU)
+    off = spt.offload(m, budget="10MiB" if on_device else "4MiB", optimizer=opt, train_on_device=on_device, **EMU)
+    assert len(off._trainable) == (2 if on_device else 0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # wraps opt.step over ours
     sched_ref = torch.optim.lr_scheduler.StepLR(opt_ref, step_size=2, gamma=0.5)
     x = stack_batches(0)[0]
