@@ -504,7 +504,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                 kw["budget"] = budget
             kw["train_on_device"] = "auto" if args.train_on_device == "auto" else float(args.train_on_device)
             off = spt.offload(model, optimizer=opt, **kw)
-            on_dev = sum(p.numel() * p.element_size() for _, p in off._trainable)
+            on_dev = off.stats()["offload"]["resident_trainable_bytes"]
             r.update(units=len(off.units), spillway_budget=off.context.stats()["budget"],
                      budget_source=off.budget_source, trained_on_device=on_dev)
             names = sorted(off.units, key=lambda u: u.index)

@@ -13,7 +13,7 @@ from ..core import format_size, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError
 from . import _partition, _train
 from ._device import _ARENA_PAGE, _SMALL_LIMIT, _arena_page, _large_page
-from ._units import _Unit, _align, _held_together, _module_names, _plan_units
+from ._units import _Unit, _align, _held_together, _module_names, _nbytes, _plan_units
 
 # Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
 # neither alive (the module's hooks keep its Offload alive; dropping the module frees both).
@@ -92,6 +92,10 @@ def state_factor(optimizer: Any) -> int:
     return 5
 
 
+def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
+    return sum(_nbytes(p) for _, p in params.values())
+
+
 def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any, share: Any,
                       budget: int) -> Dict[int, Tuple[str, torch.Tensor]]:
     """The trainable parameters offload(optimizer=) keeps on the device, with their gradients and
@@ -104,13 +108,12 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
         raise ConfigError(f"offload: train_on_device must be 'auto' or a fraction in [0, 1], got {share!r}")
     if share != "auto" and not 0 <= share <= 1:
         raise ConfigError(f"offload: train_on_device = {share!r} is not a fraction in [0, 1]")
-    total = sum(p.numel() * p.element_size() for _, p in grads.values())
     factor = state_factor(optimizer)
-    cap = total * share if share != "auto" else budget * AUTO_SHARE / factor
+    cap = _nbytes_of(grads) * share if share != "auto" else budget * AUTO_SHARE / factor
     kept: Dict[int, Tuple[str, torch.Tensor]] = {}
     used = 0
     for k, (name, p) in grads.items():
-        nb = p.numel() * p.element_size()
+        nb = _nbytes(p)
         if used + nb > cap:  # one run of them: only those before the run (a large vocabulary's
             if kept:           # embedding) are passed over
                 break
@@ -127,10 +130,6 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
 # for backward. Also with recomputed activations (gradient checkpointing) the streamed units need
 # that room: each is used in the forward and again in the recomputation (bench/RESULTS.md).
 AUTO_SHARE = 0.5
-
-
-def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
-    return sum(p.numel() * p.element_size() for _, p in params.values())
 
 
 class Layout(NamedTuple):
@@ -178,7 +177,7 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                 raise
             half, acc, fewer = _nbytes_of(kept) // 2, 0, {}
             for k, (name, p) in kept.items():
-                acc += p.numel() * p.element_size()
+                acc += _nbytes(p)
                 if acc > half:
                     break
                 fewer[k] = (name, p)

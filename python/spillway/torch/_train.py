@@ -210,7 +210,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
                 # the parameters trained on the device first: their step is enqueued on the
                 # device, which runs it while the host updates the others
                 device_step(off, opt, inner)
-                (_overlap_start if off.overlap_update else c_step)(opt, off, done)
+                (_overlap_start if off.overlap_update else c_step)(off, step_work(opt, off), done)
                 off.c_steps += 1
                 return None
             return inner(*args, **kwargs)
@@ -265,12 +265,11 @@ def device_step(off: Any, opt: torch.optim.Optimizer, inner: Any) -> None:
     none other: the host-trained parameters' gradients are hidden from it (set to None, as
     torch's optimizers skip a parameter without one) and put back after. Nothing to do when
     every trained parameter is offloaded."""
-    if not off._trainable:
-        return
     pu = off._param_unit
-    hidden = [(p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None and id(p) in pu]
-    if len(hidden) == sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None):
+    with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    if all(id(p) in pu for p in with_grad):
         return  # no parameter trained on the device has a gradient
+    hidden = [(p, p.grad) for p in with_grad if id(p) in pu]
     try:
         for p, _ in hidden:
             p.grad = None
@@ -280,13 +279,9 @@ def device_step(off: Any, opt: torch.optim.Optimizer, inner: Any) -> None:
             p.grad = g
 
 
-def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
-    """Start opt's C update beside the next forward (_overlap.Update); False, nothing done,
-    where the C step does not apply. done gets the units it opened (their device copies are
-    dropped already)."""
-    work = step_work(opt, off)
-    if work is None:
-        return False
+def _overlap_start(off: Any, work: Work, done: set) -> None:
+    """Start the C update of work (step_work) beside the next forward (_overlap.Update). done
+    gets the units it opened (their device copies are dropped already)."""
     if off._update_pool is None:
         off._update_pool = _overlap.new_pool()
     upd = _overlap.Update(work, off._update_pool, off._stream())
@@ -295,7 +290,6 @@ def _overlap_start(opt: torch.optim.Optimizer, off: Any, done: set) -> bool:
     opened = {u.index for u, _ in work if u is not None}
     off.step_evictions += len(opened)  # their device copies went with the begin
     done.update(opened)
-    return True
 
 
 def refresh(off: Any, done: Optional[set] = None) -> None:
@@ -378,16 +372,14 @@ def _c_eligible(opt: torch.optim.Optimizer, off: Any = None) -> bool:
 Work = List[Tuple[Optional[_Unit], List[Tuple[Any, Dict[str, Any]]]]]
 
 
-def step_work(opt: torch.optim.Optimizer, off: Any = None) -> Optional[Work]:
-    """opt.step()'s work for spillway's C step, or None (nothing done) when _c_eligible says no:
+def step_work(opt: torch.optim.Optimizer, off: Any = None) -> Work:
+    """opt.step()'s work for spillway's C step, where _c_eligible said yes:
     (unit, [(kernel, its keyword arguments)] for its parameters), in the order of the units (the
     forward's, as a rule; parameters in no unit first). Everything a step reads from opt is
     taken now: its state initialized as torch does (Adam: state["step"], "exp_avg",
     "exp_avg_sq", "max_exp_avg_sq"; SGD: "momentum_buffer"), so that state_dict() and a later
     torch step carry on, and each step count incremented; the hyper-parameters are copied into
     the calls, so that a scheduler changing them afterwards changes the next step only."""
-    if not _c_eligible(opt, off):
-        return None
     pu = off._param_unit if off is not None else {}
     # unit index (-1: none) -> group index -> its parameters with a gradient, in the group's order
     work: Dict[int, Dict[int, list]] = {}
@@ -448,23 +440,21 @@ def _sgd_calls(opt: torch.optim.Optimizer, g: Dict[str, Any], params: List[torch
             buf = st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
         for lst, t in zip(lists, (p, p.grad, buf)):
             lst.append(t)
-    return [dict(params=ps, grads=gs, momentum_buffers=bs, first_step=lists is first, **hp)
-            for lists in (first, later) for ps, gs, bs in [lists] if ps]
+    calls = []
+    for (ps, gs, bs), is_first in ((first, True), (later, False)):
+        if ps:
+            calls.append(dict(params=ps, grads=gs, momentum_buffers=bs, first_step=is_first, **hp))
+    return calls
 
 
-def c_step(opt: torch.optim.Optimizer, off: Any = None, done: Optional[set] = None) -> bool:
-    """opt.step() of a torch.optim.AdamW, Adam or SGD by spillway's C kernels (spillway.optim:
-    all cores, vectorized), on opt's own state (step_work). False, nothing done, when
-    _c_eligible says no: the caller runs torch's step. With off (an Offload), unit by unit in the
-    order of the units, each unit renewed (_renew) as soon as its parameters are done, its index
-    added to done; every parameter's update is the same whatever the order."""
-    work = step_work(opt, off)
-    if work is None:
-        return False
+def c_step(off: Any, work: Work, done: set) -> None:
+    """Run the work of a torch.optim.AdamW's, Adam's or SGD's step (step_work) in spillway's C
+    kernels (spillway.optim: all cores, vectorized), unit by unit in the order of the units,
+    each unit renewed (_renew) as soon as its parameters are done, its index added to done;
+    every parameter's update is the same whatever the order."""
     for unit, calls in work:
         for kernel, kw in calls:
             kernel(**kw)
-        if unit is not None and done is not None:
+        if unit is not None:
             _renew(off, unit)
             done.add(unit.index)
-    return True
