@@ -72,6 +72,14 @@ typedef struct spw_adam_tensor {
                               * has; a mix is an error */
     size_t n;                /* elements in each array; 0 is allowed (nothing is done) */
     spw_optim_dtype grad_dtype;
+    /* Where the updated values go; NULL (or the input itself): in place. An output that is not
+     * its input must not overlap any array of its tensor; the inputs are then only read, so an
+     * update can be computed ahead and kept or dropped. Last, so that an initializer that
+     * leaves them out updates in place. */
+    float *param_out;
+    float *exp_avg_out;
+    float *exp_avg_sq_out;
+    float *max_exp_avg_sq_out; /* only with max_exp_avg_sq */
 } spw_adam_tensor;
 
 enum {

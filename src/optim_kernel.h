@@ -85,10 +85,13 @@ SPW_INLINE float spw_ok_nanmax(float a, float b) {
     return (b != b) ? b : r;
 }
 
-SPW_INLINE void spw_ok_adam_loop(const spw__adam_coef *c, float *restrict p, const float *restrict g,
-                                 float *restrict m, float *restrict v, float *restrict vmax,
-                                 size_t n, const int coupled_wd, const int mul_add,
-                                 const int amsgrad) {
+/* The inputs p, m, v, vmax are only read and the outputs only written, element by element at
+ * the same index: an output may be its input (in place) or another array, so neither side is
+ * restrict; ivdep states that no element depends on another. */
+SPW_INLINE void spw_ok_adam_loop(const spw__adam_coef *c, const float *p, const float *restrict g,
+                                 const float *m, const float *v, const float *vmax, float *po,
+                                 float *mo, float *vo, float *vmaxo, size_t n,
+                                 const int coupled_wd, const int mul_add, const int amsgrad) {
     const float gsign = c->gsign, wd_mul = c->wd_mul, wd = c->wd;
     const float b1 = c->beta1, a1 = c->one_minus_beta1, lc = c->lerp_coef;
     const float b2 = c->beta2, a2 = c->one_minus_beta2;
@@ -108,38 +111,55 @@ SPW_INLINE void spw_ok_adam_loop(const spw__adam_coef *c, float *restrict p, con
         float s = vi;
         if (amsgrad) {
             s = spw_ok_nanmax(vmax[i], vi);
-            vmax[i] = s;
+            vmaxo[i] = s;
         }
         float den = sqrtf(s) / bc2 + eps;
-        p[i] = pi + (nss * mi) / den;
-        m[i] = mi;
-        v[i] = vi;
+        po[i] = pi + (nss * mi) / den;
+        mo[i] = mi;
+        vo[i] = vi;
     }
 }
 
+/* A tensor's arrays from element lo on: inputs, and outputs (the input where none is given). */
+typedef struct spw_ok_adam_at {
+    const float *p, *m, *v, *vmax;
+    float *po, *mo, *vo, *vmaxo;
+} spw_ok_adam_at;
+
 /* One specialised loop per flag combination, so the vector body has no per-element branch. */
-static void SPW_OK_NAME(adam_f32_)(const spw__adam_coef *c, float *p, const float *g, float *m,
-                                   float *v, float *vmax, size_t n) {
+static void SPW_OK_NAME(adam_f32_)(const spw__adam_coef *c, const spw_ok_adam_at *a, const float *g,
+                                   size_t n) {
     int k = (c->coupled_wd ? 4 : 0) | (c->mul_add ? 2 : 0) | (c->amsgrad ? 1 : 0);
+#define SPW_OK_ADAM(cw, ma, am) \
+    spw_ok_adam_loop(c, a->p, g, a->m, a->v, a->vmax, a->po, a->mo, a->vo, a->vmaxo, n, cw, ma, am)
     switch (k) {
-    case 0: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 0, 0, 0); break;
-    case 1: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 0, 0, 1); break;
-    case 2: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 0, 1, 0); break;
-    case 3: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 0, 1, 1); break;
-    case 4: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 1, 0, 0); break;
-    case 5: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 1, 0, 1); break;
-    case 6: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 1, 1, 0); break;
-    default: spw_ok_adam_loop(c, p, g, m, v, vmax, n, 1, 1, 1); break;
+    case 0: SPW_OK_ADAM(0, 0, 0); break;
+    case 1: SPW_OK_ADAM(0, 0, 1); break;
+    case 2: SPW_OK_ADAM(0, 1, 0); break;
+    case 3: SPW_OK_ADAM(0, 1, 1); break;
+    case 4: SPW_OK_ADAM(1, 0, 0); break;
+    case 5: SPW_OK_ADAM(1, 0, 1); break;
+    case 6: SPW_OK_ADAM(1, 1, 0); break;
+    default: SPW_OK_ADAM(1, 1, 1); break;
     }
+#undef SPW_OK_ADAM
 }
+
+static float *spw_ok_out(float *out, float *in, size_t lo) { return (out ? out : in) + lo; }
 
 void SPW_OK_NAME(spw__adam_kernel_)(const spw__adam_coef *c, const spw_adam_tensor *t, size_t lo,
                                     size_t hi) {
-    float *p = t->param + lo, *m = t->exp_avg + lo, *v = t->exp_avg_sq + lo;
-    float *vmax = c->amsgrad ? t->max_exp_avg_sq + lo : NULL;
+    spw_ok_adam_at a = {t->param + lo, t->exp_avg + lo, t->exp_avg_sq + lo, NULL,
+                        spw_ok_out(t->param_out, t->param, lo),
+                        spw_ok_out(t->exp_avg_out, t->exp_avg, lo),
+                        spw_ok_out(t->exp_avg_sq_out, t->exp_avg_sq, lo), NULL};
+    if (c->amsgrad) {
+        a.vmax = t->max_exp_avg_sq + lo;
+        a.vmaxo = spw_ok_out(t->max_exp_avg_sq_out, t->max_exp_avg_sq, lo);
+    }
     size_t n = hi - lo;
     if (t->grad_dtype == SPW_OPTIM_F32) {
-        SPW_OK_NAME(adam_f32_)(c, p, (const float *)t->grad + lo, m, v, vmax, n);
+        SPW_OK_NAME(adam_f32_)(c, &a, (const float *)t->grad + lo, n);
         return;
     }
     const uint16_t *g16 = (const uint16_t *)t->grad + lo;
@@ -147,7 +167,9 @@ void SPW_OK_NAME(spw__adam_kernel_)(const spw__adam_coef *c, const spw_adam_tens
     for (size_t off = 0; off < n; off += SPW_OPTIM_BLOCK) {
         size_t k = n - off < SPW_OPTIM_BLOCK ? n - off : SPW_OPTIM_BLOCK;
         SPW_OK_NAME(widen_)(t->grad_dtype, gbuf, g16 + off, k);
-        SPW_OK_NAME(adam_f32_)(c, p + off, gbuf, m + off, v + off, vmax ? vmax + off : NULL, k);
+        spw_ok_adam_at b = {a.p + off, a.m + off, a.v + off, a.vmax ? a.vmax + off : NULL,
+                            a.po + off, a.mo + off, a.vo + off, a.vmaxo ? a.vmaxo + off : NULL};
+        SPW_OK_NAME(adam_f32_)(c, &b, gbuf, k);
     }
 }
 

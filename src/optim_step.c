@@ -240,12 +240,24 @@ static spw_status spw_adam(const char *fn, int decoupled, spw_optim_pool *pool,
                               "it on every tensor or none", fn, i, has_max ? "has" : "lacks",
                               amsgrad ? "has" : "lacks");
         amsgrad = has_max;
-        spw_array a[] = {{"param", t[i].param, 4},
-                         {"grad", t[i].grad, spw_dtype_size(t[i].grad_dtype)},
-                         {"exp_avg", t[i].exp_avg, 4},
-                         {"exp_avg_sq", t[i].exp_avg_sq, 4},
-                         {"max_exp_avg_sq", t[i].max_exp_avg_sq, 4}};
-        st = spw_check_arrays(fn, i, t[i].n, a, has_max ? 5 : 4);
+        if (!has_max && t[i].max_exp_avg_sq_out)
+            return spw__error(SPW_ERR_INVALID_ARGUMENT,
+                              "%s: tensor %zu has max_exp_avg_sq_out but no max_exp_avg_sq", fn, i);
+        spw_array a[9] = {{"param", t[i].param, 4},
+                          {"grad", t[i].grad, spw_dtype_size(t[i].grad_dtype)},
+                          {"exp_avg", t[i].exp_avg, 4},
+                          {"exp_avg_sq", t[i].exp_avg_sq, 4},
+                          {"max_exp_avg_sq", t[i].max_exp_avg_sq, 4}};
+        size_t na = has_max ? 5 : 4;
+        /* an output apart from its input is one more array that must not overlap the others */
+        const spw_array outs[] = {{"param_out", t[i].param_out, 4},
+                                  {"exp_avg_out", t[i].exp_avg_out, 4},
+                                  {"exp_avg_sq_out", t[i].exp_avg_sq_out, 4},
+                                  {"max_exp_avg_sq_out", t[i].max_exp_avg_sq_out, 4}};
+        const float *ins[] = {t[i].param, t[i].exp_avg, t[i].exp_avg_sq, t[i].max_exp_avg_sq};
+        for (size_t k = 0; k < 4; k++)
+            if (outs[k].ptr && outs[k].ptr != ins[k]) a[na++] = outs[k];
+        st = spw_check_arrays(fn, i, t[i].n, a, na);
         if (st) return st;
         if (t[i].n > SIZE_MAX / 16 - total)
             return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: %zu elements in all is absurd", fn, total);

@@ -185,8 +185,11 @@ static void check_adam(const adam_case *c, const size_t *sizes, size_t count, in
             }
             ref_adam(c->decoupled, &hp, rp[k], g[k], rm[k], rv[k], c->amsgrad ? rx[k] : NULL,
                      sizes[k]);
-            t[k] = (spw_adam_tensor){p[k], c->dtype == SPW_OPTIM_F32 ? (const void *)g[k] : g16[k],
-                                     m[k], v[k], c->amsgrad ? x[k] : NULL, sizes[k], c->dtype};
+            t[k] = (spw_adam_tensor){.param = p[k],
+                                     .grad = c->dtype == SPW_OPTIM_F32 ? (const void *)g[k] : g16[k],
+                                     .exp_avg = m[k], .exp_avg_sq = v[k],
+                                     .max_exp_avg_sq = c->amsgrad ? x[k] : NULL, .n = sizes[k],
+                                     .grad_dtype = c->dtype};
         }
         /* each step on another instruction set and pool: the state carries across them */
         const char *isa = isas[run % 3];
@@ -323,6 +326,46 @@ static void check_sgd(spw_sgd_hparams base, const size_t *sizes, size_t count, i
     for (size_t k = 0; k < count; k++) free(p[k]), free(b[k]), free(g[k]), free(rp[k]), free(rb[k]);
 }
 
+/* Outputs apart from the inputs: the outputs equal an in-place step's results bit for bit, the
+ * inputs are left as they were, and the next step may read the outputs as its inputs. */
+static void adam_out_of_place(void **s) {
+    (void)s;
+    const size_t n = 100003;
+    for (int amsgrad = 0; amsgrad < 2; amsgrad++) {
+        float *in[4], *out[4], *ref[4], *keep[4];
+        for (int k = 0; k < 4; k++) {
+            in[k] = fvec(n, k == 0), out[k] = fvec(n, 0);
+            if (k == 2 || k == 3)
+                for (size_t i = 0; i < n; i++) in[k][i] = fabsf(rndf());
+            ref[k] = fdup(in[k], n);
+        }
+        float *g = fvec(n, 1);
+        for (int step = 1; step <= 3; step++) {
+            for (int k = 0; k < 4; k++) keep[k] = fdup(in[k], n);
+            spw_adam_hparams hp = {1e-3, 0.9, 0.999, 1e-8, 1e-2, step, 0};
+            spw_adam_tensor r = {.param = ref[0], .grad = g, .exp_avg = ref[1], .exp_avg_sq = ref[2],
+                                 .max_exp_avg_sq = amsgrad ? ref[3] : NULL, .n = n,
+                                 .grad_dtype = SPW_OPTIM_F32};
+            spw_adam_tensor t = {.param = in[0], .grad = g, .exp_avg = in[1], .exp_avg_sq = in[2],
+                                 .max_exp_avg_sq = amsgrad ? in[3] : NULL, .n = n,
+                                 .grad_dtype = SPW_OPTIM_F32, .param_out = out[0],
+                                 .exp_avg_out = out[1], .exp_avg_sq_out = out[2],
+                                 .max_exp_avg_sq_out = amsgrad ? out[3] : NULL};
+            assert_ok(spw_adamw_step(NULL, &hp, &r, 1));
+            assert_ok(spw_adamw_step(NULL, &hp, &t, 1));
+            for (int k = 0; k < (amsgrad ? 4 : 3); k++) {
+                assert_bits_equal(out[k], ref[k], n, "output");
+                assert_bits_equal(in[k], keep[k], n, "input");
+                float *x = in[k];
+                in[k] = out[k], out[k] = x;
+            }
+            for (int k = 0; k < 4; k++) free(keep[k]);
+        }
+        for (int k = 0; k < 4; k++) free(in[k]), free(out[k]), free(ref[k]);
+        free(g);
+    }
+}
+
 static void sgd_variants(void **s) {
     (void)s;
     check_sgd((spw_sgd_hparams){0.1, 0.0, 0.0, 0.0, 0}, mixed, 8, 4);
@@ -360,7 +403,8 @@ static spw_status adamw1(spw_adam_hparams hp, spw_adam_tensor t) {
 static void adam_bad_input(void **s) {
     (void)s;
     const spw_adam_hparams ok = {1e-3, 0.9, 0.999, 1e-8, 1e-2, 1, 0};
-    const spw_adam_tensor t = {bp, bg, bm, bv, NULL, BN, SPW_OPTIM_F32};
+    const spw_adam_tensor t = {.param = bp, .grad = bg, .exp_avg = bm, .exp_avg_sq = bv, .n = BN,
+                               .grad_dtype = SPW_OPTIM_F32};
     bad_setup();
     spw_adam_hparams hp;
 
@@ -427,6 +471,19 @@ static void adam_bad_input(void **s) {
     assert_msg_has("tensor 1: param is NULL");
     bad_unchanged();
 
+    /* an output over another array of its tensor; an amsgrad output without amsgrad */
+    u = t, u.exp_avg_out = bg + 1;
+    assert_status(adamw1(ok, u), SPW_ERR_INVALID_ARGUMENT);
+    assert_msg_has("exp_avg_out");
+    assert_msg_has("overlap");
+    u = t, u.param_out = bm;
+    assert_status(adamw1(ok, u), SPW_ERR_INVALID_ARGUMENT);
+    assert_msg_has("param_out");
+    u = t, u.max_exp_avg_sq_out = bx;
+    assert_status(adamw1(ok, u), SPW_ERR_INVALID_ARGUMENT);
+    assert_msg_has("max_exp_avg_sq_out but no max_exp_avg_sq");
+    bad_unchanged();
+
     /* nothing to do is fine */
     assert_ok(spw_adamw_step(NULL, &ok, NULL, 0));
     u = t, u.n = 0, u.param = NULL, u.exp_avg = NULL;
@@ -489,6 +546,7 @@ int main(void) {
         cmocka_unit_test(adam_torch1_moment_and_large_lerp_weight),
         cmocka_unit_test(adam_half_gradients),
         cmocka_unit_test(widening_is_exact_for_every_value),
+        cmocka_unit_test(adam_out_of_place),
         cmocka_unit_test(sgd_variants),
         cmocka_unit_test(adam_bad_input),
         cmocka_unit_test(sgd_bad_input),

@@ -44,8 +44,10 @@ static void *caller_main(void *arg) {
     }
     for (int s = 1; s <= STEPS; s++) {
         spw_adam_hparams hp = {1e-3, 0.9, 0.999, 1e-8, 1e-2, s, 0};
-        spw_adam_tensor t = {c->p, c->g, c->m, c->v, NULL, N, SPW_OPTIM_F32};
-        spw_adam_tensor r = {c->rp, c->g, c->rm, c->rv, NULL, N, SPW_OPTIM_F32};
+        spw_adam_tensor t = {.param = c->p, .grad = c->g, .exp_avg = c->m, .exp_avg_sq = c->v, .n = N,
+                             .grad_dtype = SPW_OPTIM_F32};
+        spw_adam_tensor r = {.param = c->rp, .grad = c->g, .exp_avg = c->rm, .exp_avg_sq = c->rv,
+                             .n = N, .grad_dtype = SPW_OPTIM_F32};
         spw_optim_pool *pool = s % 3 == 0 ? shared_pool : s % 3 == 1 ? NULL : own;
         if (spw_adamw_step(pool, &hp, &t, 1) != SPW_OK) c->bad = 1;
         if (spw_adamw_step(alone, &hp, &r, 1) != SPW_OK) c->bad = 1;

@@ -208,6 +208,10 @@ class AdamTensor(ctypes.Structure):
         ("max_exp_avg_sq", ctypes.c_void_p),
         ("n", ctypes.c_size_t),
         ("grad_dtype", ctypes.c_int),
+        ("param_out", ctypes.c_void_p),
+        ("exp_avg_out", ctypes.c_void_p),
+        ("exp_avg_sq_out", ctypes.c_void_p),
+        ("max_exp_avg_sq_out", ctypes.c_void_p),
     ]
 
 

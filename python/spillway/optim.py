@@ -179,6 +179,7 @@ def _adam(
     maximize: bool,
     moment: Optional[str],
     pool: Optional[Pool],
+    out: Optional[Tuple[Arrays, Arrays, Arrays, Optional[Arrays]]] = None,
 ) -> None:
     lists = [
         ("params", _as_list(params, "params")),
@@ -188,6 +189,17 @@ def _adam(
     ]
     if max_exp_avg_sqs is not None:
         lists.append(("max_exp_avg_sqs", _as_list(max_exp_avg_sqs, "max_exp_avg_sqs")))
+    outs: List[Optional[List[ArrayLike]]] = [None, None, None, None]
+    if out is not None:
+        if len(out) != 4:
+            raise InvalidArgument("out: want (params_out, exp_avgs_out, exp_avg_sqs_out, max_exp_avg_sqs_out)")
+        names = ("params_out", "exp_avgs_out", "exp_avg_sqs_out", "max_exp_avg_sqs_out")
+        for k, (name, o) in enumerate(zip(names, out)):
+            if o is not None:
+                outs[k] = _as_list(o, name)
+                lists.append((name, outs[k]))
+        if outs[3] is not None and max_exp_avg_sqs is None:
+            raise InvalidArgument("max_exp_avg_sqs_out given without max_exp_avg_sqs")
     count = _same_length(lists)
     if moment is None:
         moment = torch_moment_formula()
@@ -215,15 +227,25 @@ def _adam(
         v, vn, _ = _array(lists[3][1][i], f"exp_avg_sqs[{i}]")
         sizes = [("grads", gn), ("exp_avgs", mn), ("exp_avg_sqs", vn)]
         mx = None
-        if len(lists) == 5:
+        if max_exp_avg_sqs is not None:
             mx, xn, _ = _array(lists[4][1][i], f"max_exp_avg_sqs[{i}]")
             sizes.append(("max_exp_avg_sqs", xn))
+        optr = [None, None, None, None]
+        for k, (name, o) in enumerate(zip(("params_out", "exp_avgs_out", "exp_avg_sqs_out", "max_exp_avg_sqs_out"),
+                                          outs)):
+            if o is not None:
+                optr[k], on, _ = _array(o[i], f"{name}[{i}]")
+                sizes.append((name, on))
         for name, k in sizes:
             if k != n:
                 raise InvalidArgument(f"{name}[{i}] has {k} elements, params[{i}] has {n}")
-        arr[i] = _lib.AdamTensor(p, g, m, v, mx, n, gdt)
+        arr[i] = _lib.AdamTensor(p, g, m, v, mx, n, gdt, *optr)
     fn = getattr(_lib.lib, fn_name)
     check(fn(_pool_handle(pool), ctypes.byref(hp), arr, count))
+
+
+def _outs(*outs: Optional[Arrays]) -> Optional[Tuple[Arrays, Arrays, Arrays, Optional[Arrays]]]:
+    return None if all(o is None for o in outs) else outs  # type: ignore[return-value]
 
 
 def adamw_step(
@@ -241,6 +263,10 @@ def adamw_step(
     maximize: bool = False,
     moment: Optional[str] = None,
     pool: Optional[Pool] = None,
+    params_out: Optional[Arrays] = None,
+    exp_avgs_out: Optional[Arrays] = None,
+    exp_avg_sqs_out: Optional[Arrays] = None,
+    max_exp_avg_sqs_out: Optional[Arrays] = None,
 ) -> None:
     """One torch.optim.AdamW update (decoupled weight decay) of every parameter, in place.
 
@@ -249,9 +275,14 @@ def adamw_step(
     on amsgrad. moment picks the first-moment formula of torch 2 ("lerp") or 1.x ("mul_add");
     None follows the torch this process has imported. Raises spillway.InvalidArgument (a
     ValueError) on bad input, before anything is written.
+
+    params_out, exp_avgs_out, exp_avg_sqs_out and max_exp_avg_sqs_out, each a list like
+    params, receive the updated values instead of the inputs, which are then only read (an
+    update computed ahead, to keep or drop); each is optional (None: that array in place).
     """
     _adam("spw_adamw_step", params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps,
-          weight_decay, max_exp_avg_sqs, maximize, moment, pool)
+          weight_decay, max_exp_avg_sqs, maximize, moment, pool,
+          _outs(params_out, exp_avgs_out, exp_avg_sqs_out, max_exp_avg_sqs_out))
 
 
 def adam_step(
@@ -269,10 +300,15 @@ def adam_step(
     maximize: bool = False,
     moment: Optional[str] = None,
     pool: Optional[Pool] = None,
+    params_out: Optional[Arrays] = None,
+    exp_avgs_out: Optional[Arrays] = None,
+    exp_avg_sqs_out: Optional[Arrays] = None,
+    max_exp_avg_sqs_out: Optional[Arrays] = None,
 ) -> None:
     """One torch.optim.Adam update (weight decay added to the gradient); as adamw_step."""
     _adam("spw_adam_step", params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps,
-          weight_decay, max_exp_avg_sqs, maximize, moment, pool)
+          weight_decay, max_exp_avg_sqs, maximize, moment, pool,
+          _outs(params_out, exp_avgs_out, exp_avg_sqs_out, max_exp_avg_sqs_out))
 
 
 def sgd_step(

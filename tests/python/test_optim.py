@@ -128,6 +128,25 @@ def test_adam_within_1e6_and_bitwise(which, kw):
     assert equal, f"not bitwise equal to torch {torch.__version__} (worst relative {worst:.3g})"
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_out_of_place_step_equals_in_place_and_leaves_the_inputs(amsgrad):
+    p, g, m, v = _adam_arrays()
+    x = v.clone() if amsgrad else None
+    outs = [torch.empty_like(p) for _ in range(4)]
+    before = [t.clone() for t in (p, g, m, v)]
+    so.adamw_step(p, g, m, v, 3, max_exp_avg_sqs=x, params_out=outs[0], exp_avgs_out=outs[1],
+                  exp_avg_sqs_out=outs[2], max_exp_avg_sqs_out=outs[3] if amsgrad else None)
+    assert _unchanged(before, (p, g, m, v))
+    so.adamw_step(p, g, m, v, 3, max_exp_avg_sqs=x)  # in place: what the outputs must hold
+    for got, want in zip(outs, (p, m, v, x)):
+        if want is not None:
+            assert torch.equal(got, want)
+    with pytest.raises(spillway.InvalidArgument, match="max_exp_avg_sqs_out given without"):
+        so.adamw_step(p, g, m, v, 4, max_exp_avg_sqs_out=outs[3])
+    with pytest.raises(spillway.InvalidArgument, match="exp_avg_out.*overlap"):
+        so.adamw_step(p, g, m, v, 4, exp_avgs_out=g)
+
+
 def test_half_gradients_match_torch_on_widened_gradients():
     for dt in (torch.bfloat16, torch.float16):
         worst, equal = _adam_run(torch.optim.AdamW, so.adamw_step, grad_dtype=dt)
