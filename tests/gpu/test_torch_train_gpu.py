@@ -173,6 +173,8 @@ def test_train_offloaded_decoder_on_the_device(case):
         assert h["optimizer_steps"] == STEPS
     if c_step:
         assert off.c_steps == STEPS
+    if case == "c-adamw-overlap":  # the updates computed during the backward were kept (the tied weight's not)
+        assert h["updates_ahead_kept"] > 0, h
     if case == "accum-clip-autocast" or case == "adamw":
         assert h["activations_stashed"] > 0
     print(f"\n{case}: worst loss rel {worst_loss:.2e}, worst param rel {worst_param:.2e}, "

@@ -421,6 +421,84 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     finish(off, m, ref, stack_batches(9)[0])
 
 
+@pytest.mark.parametrize("make", [
+    two_groups,
+    lambda mod: torch.optim.Adam(mod.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True),
+], ids=["adamw-two-groups", "adam-amsgrad"])
+def test_updates_computed_during_the_backward_are_kept(make):
+    """overlap_update=True: each parameter's update is computed while the backward still runs,
+    as soon as its gradient is in host memory, and opt.step() keeps it: from the second step on
+    (the first creates the state) every one is kept, none computed again, and everything is
+    bitwise the resident model's (train)."""
+    m = stack(5)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, make, stack_batches, mse, overlap_update=True)
+    n = len(list(m.parameters()))
+    h = off.stats()["offload"]
+    assert (h["updates_ahead_kept"], h["updates_ahead_dropped"]) == (n * (STEPS - 1), 0)
+    assert f"{n * (STEPS - 1)} parameter updates computed during the backward and kept" in off.summary()
+    # the work is queued during the backward, before opt.step()
+    mse(m, stack_batches(9)[0]).backward()
+    assert len(off._ahead.pending) == n
+    off.optimizer.zero_grad()
+    finish(off, m, ref, stack_batches(9)[0])
+
+
+@pytest.mark.parametrize("change", ["clip", "accumulate", "lr", "zero_grad"])
+def test_updates_computed_during_the_backward_are_dropped_when_their_inputs_change(change):
+    """What an update computed ahead read changed before opt.step(): clipping scales the
+    gradients, accumulation adds to them (nothing is computed ahead then), a scheduler changes
+    the learning rate, zero_grad(set_to_none=False) zeroes them. The step computes those updates
+    again: bitwise the resident model's; after a step that kept nothing, the work ahead pauses."""
+    m, ref = stack(6), stack(6)
+    opt, opt_ref = two_groups(m), two_groups(ref)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, overlap_update=True, train_on_device=0, **EMU)
+    for step in range(8):
+        micro = 3 if change == "accumulate" else 1
+        for model, o in ((m, opt), (ref, opt_ref)):
+            for x in stack_batches(step)[:micro]:
+                mse(model, x).backward()
+            if change == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            elif change == "lr":
+                for g in o.param_groups:
+                    g["lr"] *= 0.9
+            elif change == "zero_grad":
+                o.zero_grad(set_to_none=False)
+            o.step()
+            o.zero_grad(set_to_none=True)
+        off.synchronize()
+        assert_params_equal(m, ref)
+    h = off.stats()["offload"]
+    assert h["updates_ahead_kept"] == 0
+    n = len(list(m.parameters()))
+    if change == "accumulate":
+        assert h["updates_ahead_dropped"] == 0  # never computed ahead
+    else:  # steps 2 and 3 computed ahead; 3 pauses 1 step, 5 pauses 2, 8 pauses 4
+        assert h["updates_ahead_dropped"] == 3 * n
+    off.remove()
+    assert_params_equal(m, ref)
+
+
+def test_an_update_ahead_that_fails_is_computed_in_the_step(monkeypatch):
+    """The kernel fails on the worker (here: every call with separate outputs): nothing is
+    raised into the backward, and the step computes those updates itself; bitwise the resident
+    model's."""
+    real = spillway.optim.adamw_step
+
+    def fails_ahead(*args, **kwargs):
+        if kwargs.get("params_out") is not None:
+            raise spillway.InvalidArgument("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spillway.optim, "adamw_step", fails_ahead)
+    m = stack(8)
+    ref = copy.deepcopy(m)
+    off = train(m, ref, two_groups, stack_batches, mse, overlap_update=True)
+    assert off.stats()["offload"]["updates_ahead_kept"] > 0
+    finish(off, m, ref, stack_batches(9)[0])
+
+
 @pytest.mark.parametrize("micro,clip,overlap", [(1, 0.0, False), (4, 1.0, False), (1, 0.0, True)])
 def test_the_first_parameters_are_trained_on_the_device(micro, clip, overlap):
     """train_on_device=0.15: the first 15% of the trained bytes stay on the device with their
@@ -582,6 +660,9 @@ def test_host_update_falls_back_to_the_optimizers_own_step():
     finish(off, m, ref, stack_batches(9)[0])
     with pytest.raises(spillway.ConfigError, match="host_update"):
         spt.offload(stack(), budget="4MiB", optimizer=None, host_update="c", **EMU)
+    with pytest.raises(spillway.ConfigError, match="overlap_update must be True, False or 'forward', got 'yes'"):
+        spt.offload(stack(), budget="4MiB", optimizer=torch.optim.AdamW(stack().parameters()), overlap_update="yes",
+                    **EMU)
     with pytest.raises(spillway.ConfigError, match="overlap_update.*no optimizer"):
         spt.offload(stack(), budget="4MiB", overlap_update=True, **EMU)
     m = stack()

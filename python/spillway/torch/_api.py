@@ -13,7 +13,7 @@ from ._pipeline import offload_all
 def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "plan", device: Any = None,
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
-            host_update: str = "spillway", overlap_update: bool = False, train_on_device: Any = "auto",
+            host_update: str = "spillway", overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
             **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
@@ -65,8 +65,13 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     update overlaps the forward instead of preceding it. The update is finished by the end of
     the next forward, the next opt.step(), opt.zero_grad(set_to_none=False), opt.state_dict(),
     the module's state_dict(), Offload.synchronize() and remove(); anything else that reads the
-    parameters or opt's state before those must call Offload.synchronize() first. Off by
-    default. Results are bitwise those of overlap_update=False.
+    parameters or opt's state before those must call Offload.synchronize() first. True also
+    computes each Adam or AdamW update during the backward, as soon as the parameter's gradient
+    is in host memory, into spare tensors (host memory: one more copy of the parameters and of
+    the moments it updates), and opt.step() keeps it where nothing it read has changed since
+    (no clipping, no unscale, one backward a step; otherwise it is computed again in the step);
+    "forward" only overlaps the next forward. Off by default. Results are bitwise those of
+    overlap_update=False.
     train_on_device: with optimizer=, the trainable parameters kept on the device with their
     gradients and opt's state, updated there by opt's own step, the rest being offloaded and
     updated on the host as above: the first ones in the module's order (its first blocks, as
@@ -95,6 +100,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     block_list = None if blocks is None else list(blocks)
     if host_update not in ("torch", "spillway"):
         raise ConfigError(f"offload: host_update must be 'torch' or 'spillway', got {host_update!r}")
+    if overlap_update not in (False, True, "forward"):
+        raise ConfigError(f"offload: overlap_update must be True, False or 'forward', got {overlap_update!r}")
     if overlap_update and (optimizer is None or host_update != "spillway"):
         raise ConfigError("offload: overlap_update=True overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "
@@ -102,4 +109,4 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
                           optimizer=optimizer, activations=bool(stash), host_update=host_update,
-                          overlap_update=bool(overlap_update), train_on_device=train_on_device)
+                          overlap_update=overlap_update, train_on_device=train_on_device)

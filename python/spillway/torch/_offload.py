@@ -87,7 +87,7 @@ from .. import _lib
 from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _overlap, _patch, _report, _setup, _train, _views
+from . import _ahead, _alloc, _overlap, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._errors import OutOfMemoryError
@@ -189,9 +189,12 @@ class Offload:
         self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
         # overlap_update: that C step runs beside the next forward (_overlap.py); _update is the
         # one in flight, _update_pool the threads it runs on (made at the first).
+        # overlap_update True (not "forward"): the updates are also computed during the backward
+        # (_ahead.py), on the same pool.
         self.overlap_update = overlap_update
         self._update: Optional[_overlap.Update] = None
         self._update_pool: Any = None
+        self._ahead: Optional[_ahead.Updates] = None
         self.c_steps = 0
         self.activations_stashed = 0
         self.activation_bytes = 0
@@ -267,6 +270,10 @@ class Offload:
                 _train.wrap_step(self, optimizer)
                 if overlap_update:
                     _train.wrap_sync_points(self, optimizer)
+                if overlap_update is True and host_update == "spillway":
+                    self._update_pool = _overlap.new_pool()
+                    self._ahead = _ahead.Updates(optimizer, self._update_pool)
+                    self._landing.ahead = self._ahead
         except BaseException:
             _patch.undo(self)
             raise
@@ -777,8 +784,11 @@ class Offload:
         return _report.summary(self)
 
     def synchronize(self) -> None:
-        """Wait for the optimizer's update still running beside the forward (overlap_update=True)
-        and raise its error (a StateError naming it); nothing to do otherwise."""
+        """Wait for the optimizer's update still running beside the forward or computed ahead
+        during the backward (overlap_update) and raise its error (a StateError naming it);
+        nothing to do otherwise."""
+        if self._ahead is not None:
+            self._ahead.drain()
         upd, self._update = self._update, None
         if upd is None:
             return

@@ -58,6 +58,9 @@ def undo(off: Any) -> None:
     if upd is not None:  # its error is the caller's to see before; the parameters stay as it left them
         off._update = None
         upd.finish()
+    if getattr(off, "_ahead", None) is not None:  # it reads the packs that go below
+        off._ahead.close()
+        off._ahead = None
     off._closed = True
     ACTIVE.pop(off.module, None)
     for obj, name, had, prev, ours in reversed(getattr(off, "_method_wraps", [])):

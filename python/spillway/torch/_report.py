@@ -35,7 +35,8 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
-    made stale, dropped)."""
+    made stale, dropped), updates_ahead_kept/updates_ahead_dropped (overlap_update=True: the
+    parameters' updates computed during the backward that the step kept / computed again)."""
     return {
         "hook_ns": off.hook_ns,
         "hook_us_median": _median_us(off._hook_hist),
@@ -51,6 +52,8 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "activation_bytes": off.activation_bytes,
         "optimizer_steps": off.optimizer_steps,
         "step_evictions": off.step_evictions,
+        "updates_ahead_kept": off._ahead.kept if off._ahead is not None else 0,
+        "updates_ahead_dropped": off._ahead.dropped if off._ahead is not None else 0,
     }
 
 
@@ -108,6 +111,10 @@ def summary(off: Any) -> str:
         lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
                      f"{type(off.optimizer).__name__} (gradients and its state in host memory), "
                      f"{_plural(off.optimizer_steps, 'step')}, {off.step_evictions} stale device copies dropped")
+        if off._ahead is not None:
+            a = off._ahead
+            lines.append(f"  updates ahead     {a.kept} parameter updates computed during the backward and kept, "
+                         f"{a.dropped} computed again in the step")
     if off._stash_min is not None:
         lines.append(f"  activations       {off.activations_stashed} saved for backward kept in the budget, "
                      f"{format_size(off.activation_bytes)} in all (tensors of {format_size(off._stash_min)} or more)")

@@ -57,12 +57,13 @@ class GradLanding:
     One host wait a backward, not one a parameter. Hooks registered on the host Parameters do
     not run (autograd never accumulates into them)."""
 
-    __slots__ = ("pending", "queued", "stream")
+    __slots__ = ("pending", "queued", "stream", "ahead")
 
     def __init__(self, device: torch.device) -> None:
         self.pending: list = []  # (host Parameter, host tensor), in the order backward made them
         self.queued = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead: Any = None  # _ahead.Updates: told of each gradient and each landing (overlap_update)
 
     def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.device == host.device:  # emu: the device tensors are host memory already; a copy of
@@ -75,6 +76,8 @@ class GradLanding:
                 h.copy_(grad, non_blocking=True)
             grad.record_stream(s)
         self.pending.append((host, h))
+        if self.ahead is not None:
+            self.ahead.offer(host, h, self.stream)
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.land)
@@ -86,6 +89,8 @@ class GradLanding:
         pend, self.pending = self.pending, []
         if not pend:
             return
+        if self.ahead is not None:
+            self.ahead.landed()
         if self.stream is not None:
             self.stream.synchronize()
         # A parameter used more than once (a tied weight, a block called twice) gets several: they
@@ -205,12 +210,15 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         off._landing.land()
         done: set = set()
         try:
-            if off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
-                    _c_eligible(opt, off):
+            c_path = off.host_update == "spillway" and not args and kwargs.get("closure") is None and \
+                _c_eligible(opt, off)
+            # the updates computed during the backward that still hold (none off the C path)
+            kept = off._ahead.keep(c_path) if off._ahead is not None else {}
+            if c_path:
                 # the parameters trained on the device first: their step is enqueued on the
                 # device, which runs it while the host updates the others
                 device_step(off, opt, inner)
-                (_overlap_start if off.overlap_update else c_step)(off, step_work(opt, off), done)
+                (_overlap_start if off.overlap_update else c_step)(off, step_work(opt, off, kept), done)
                 off.c_steps += 1
                 return None
             return inner(*args, **kwargs)
@@ -246,7 +254,8 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
             if self_ is not obj:  # a copy: its class's method
                 return getattr(type(self_), name)(self_, *args, **kwargs)
             o = ref()
-            if o is not None and not o._closed and o._update is not None and needs(args, kwargs):
+            if o is not None and not o._closed and needs(args, kwargs) and \
+                    (o._update is not None or (o._ahead is not None and o._ahead.busy())):
                 o.synchronize()
             return inner(*args, **kwargs)
 
@@ -353,33 +362,40 @@ def _c_eligible(opt: torch.optim.Optimizer, off: Any = None) -> bool:
     foreach/fused/capturable/differentiable, every such parameter with a gradient a contiguous
     float32 CPU tensor with a dense float32 gradient."""
     for g in opt.param_groups:
-        if _kernel(opt, g) is None:
-            return False
-        if g.get("foreach") or g.get("fused") or g.get("capturable") or g.get("differentiable"):
-            return False
-        if not isinstance(g["lr"], float):
+        if _kernel(opt, g) is None or not _group_eligible(g):
             return False
         for p in g["params"]:
-            q = p.grad
-            if q is None or not _host_trained(off, p):
-                continue
-            if (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or q.is_sparse
-                    or q.dtype != torch.float32 or not q.is_contiguous()):
+            if p.grad is not None and _host_trained(off, p) and not _tensor_eligible(p, p.grad):
                 return False
     return True
+
+
+def _group_eligible(g: Dict[str, Any]) -> bool:
+    """A group's options ask for nothing the C step lacks."""
+    return not (g.get("foreach") or g.get("fused") or g.get("capturable") or g.get("differentiable")) \
+        and isinstance(g["lr"], float)
+
+
+def _tensor_eligible(p: torch.Tensor, q: torch.Tensor) -> bool:
+    """p, with gradient q, is what the C step updates: contiguous float32 on the CPU, q dense
+    float32 and contiguous."""
+    return (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and not q.is_sparse
+            and q.dtype == torch.float32 and q.is_contiguous())
 
 
 Work = List[Tuple[Optional[_Unit], List[Tuple[Any, Dict[str, Any]]]]]
 
 
-def step_work(opt: torch.optim.Optimizer, off: Any = None) -> Work:
+def step_work(opt: torch.optim.Optimizer, off: Any = None, kept: Optional[Dict[int, Any]] = None) -> Work:
     """opt.step()'s work for spillway's C step, where _c_eligible said yes:
     (unit, [(kernel, its keyword arguments)] for its parameters), in the order of the units (the
     forward's, as a rule; parameters in no unit first). Everything a step reads from opt is
     taken now: its state initialized as torch does (Adam: state["step"], "exp_avg",
     "exp_avg_sq", "max_exp_avg_sq"; SGD: "momentum_buffer"), so that state_dict() and a later
     torch step carry on, and each step count incremented; the hyper-parameters are copied into
-    the calls, so that a scheduler changing them afterwards changes the next step only."""
+    the calls, so that a scheduler changing them afterwards changes the next step only. kept:
+    the updates computed ahead to keep (_ahead.Updates.keep), by id(parameter): their step
+    counts are incremented and their unit's calls end with their commit."""
     pu = off._param_unit if off is not None else {}
     # unit index (-1: none) -> group index -> its parameters with a gradient, in the group's order
     work: Dict[int, Dict[int, list]] = {}
@@ -393,11 +409,20 @@ def step_work(opt: torch.optim.Optimizer, off: Any = None) -> Work:
     with torch.no_grad():
         for ui in sorted(work):
             calls: List[Tuple[Any, Dict[str, Any]]] = []
+            ahead = []
             for gi, params in work[ui].items():
                 g = opt.param_groups[gi]
                 kernel = _kernel(opt, g)
+                if kept:
+                    for p in params:
+                        if id(p) in kept:
+                            opt.state[p]["step"] += 1
+                            ahead.append(kept[id(p)])
+                    params = [p for p in params if id(p) not in kept]
                 maker = _sgd_calls if kernel is spw_optim.sgd_step else _adam_calls
-                calls += [(kernel, kw) for kw in maker(opt, g, params)]
+                calls += [(kernel, kw) for kw in maker(opt, g, params)] if params else []
+            if ahead:
+                calls.append((off._ahead.commit, dict(aheads=ahead)))
             out.append((units[ui] if ui >= 0 else None, calls))
     return out
 
