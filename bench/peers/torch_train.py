@@ -47,12 +47,11 @@ Variants, one process each (this file with --child)
   spillway-c       the same with host_update="spillway": opt's steps in spillway's C AdamW
   spillway-c-ckpt  spillway-c with activation checkpointing (as the checkpointing variant): the
                    blocks' activations recomputed in the backward instead of streamed
-  spillway-c-overlap  spillway-c with overlap_update=True: the C step is computed during the
-                   backward where it can and runs beside the next forward where it is left (a
-                   step's time then holds the last step's update, wherever it ends)
+  spillway-c-overlap  spillway-c with overlap_update=True: the C step runs beside the next
+                   forward (a step's time then holds the last step's update, wherever it ends)
   spillway-c-ckpt-overlap  both
-  spillway-c-ckpt-overlap-forward  spillway-c-ckpt with overlap_update="forward": beside the
-                   next forward only
+  spillway-c-ckpt-overlap-backward  spillway-c-ckpt with overlap_update="backward": the
+                   update also computed during the backward
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
                    optimizer=opt) without a budget: one budget over everything on the device
 Each spillway variant runs once per --budget; the peers run uncapped and say which budgets
@@ -122,11 +121,11 @@ if (ROOT / "python" / "spillway").is_dir():
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
             "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
-            "spillway-c-ckpt-overlap-forward", "spillway-alloc"]
+            "spillway-c-ckpt-overlap-backward", "spillway-alloc"]
 CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt", "spillway-c-ckpt-overlap",
-                "spillway-c-ckpt-overlap-forward"}  # gradient_checkpointing_enable
+                "spillway-c-ckpt-overlap-backward"}  # gradient_checkpointing_enable
 C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
-          "spillway-c-ckpt-overlap-forward"}  # host_update="spillway"
+          "spillway-c-ckpt-overlap-backward"}  # host_update="spillway"
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -505,8 +504,8 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             kw["host_update"] = "spillway" if name in C_STEP else "torch"
             if name.endswith("-overlap"):
                 kw["overlap_update"] = True
-            elif name.endswith("-overlap-forward"):
-                kw["overlap_update"] = "forward"
+            elif name.endswith("-overlap-backward"):
+                kw["overlap_update"] = "backward"
             if name != "spillway-alloc":
                 kw["budget"] = budget
             kw["train_on_device"] = "auto" if args.train_on_device == "auto" else float(args.train_on_device)

@@ -80,7 +80,8 @@ def close_params(m: nn.Module, ref: nn.Module, tol: float, loose: Any = (), loos
     return worst
 
 
-@pytest.mark.parametrize("case", ["adamw", "accum-clip-autocast", "c-adamw", "c-adamw-overlap", "c-adamw-on-device",
+@pytest.mark.parametrize("case", ["adamw", "accum-clip-autocast", "c-adamw", "c-adamw-overlap", "c-adamw-ahead",
+                                  "c-adamw-on-device",
                                   "sgd", "gradscaler-fp16"])
 def test_train_offloaded_decoder_on_the_device(case):
     """A 14 MiB decoder (tied embedding and head) trained under an 8 MiB budget: weights,
@@ -112,7 +113,7 @@ def test_train_offloaded_decoder_on_the_device(case):
     # step, the rest offloaded and stepped in C
     on_device = 0.25 if case == "c-adamw-on-device" else 0
     off = spt.offload(m, budget="8MiB" if not on_device else "26MiB", optimizer=opt,
-                      host_update="spillway" if c_step else "torch", overlap_update=case == "c-adamw-overlap",
+                      host_update="spillway" if c_step else "torch", overlap_update={"c-adamw-overlap": True, "c-adamw-ahead": "backward"}.get(case, False),
                       train_on_device=on_device, **CUDA)
     kept = {id(p) for _, p in off._trainable}
     assert bool(kept) == bool(on_device) and all(p.device.type == "cuda" for _, p in off._trainable)
@@ -173,7 +174,7 @@ def test_train_offloaded_decoder_on_the_device(case):
         assert h["optimizer_steps"] == STEPS
     if c_step:
         assert off.c_steps == STEPS
-    if case == "c-adamw-overlap":  # the updates computed during the backward were kept (the tied weight's not)
+    if case == "c-adamw-ahead":  # the updates computed during the backward were kept (the tied weight's not)
         assert h["updates_ahead_kept"] > 0, h
     if case == "accum-clip-autocast" or case == "adamw":
         assert h["activations_stashed"] > 0

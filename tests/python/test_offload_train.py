@@ -426,13 +426,13 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     lambda mod: torch.optim.Adam(mod.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True),
 ], ids=["adamw-two-groups", "adam-amsgrad"])
 def test_updates_computed_during_the_backward_are_kept(make):
-    """overlap_update=True: each parameter's update is computed while the backward still runs,
+    """overlap_update="backward": each parameter's update is computed while the backward still runs,
     as soon as its gradient is in host memory, and opt.step() keeps it: from the second step on
     (the first creates the state) every one is kept, none computed again, and everything is
     bitwise the resident model's (train)."""
     m = stack(5)
     ref = copy.deepcopy(m)
-    off = train(m, ref, make, stack_batches, mse, overlap_update=True)
+    off = train(m, ref, make, stack_batches, mse, overlap_update="backward")
     n = len(list(m.parameters()))
     h = off.stats()["offload"]
     assert (h["updates_ahead_kept"], h["updates_ahead_dropped"]) == (n * (STEPS - 1), 0)
@@ -452,7 +452,7 @@ def test_updates_computed_during_the_backward_are_dropped_when_their_inputs_chan
     again: bitwise the resident model's; after a step that kept nothing, the work ahead pauses."""
     m, ref = stack(6), stack(6)
     opt, opt_ref = two_groups(m), two_groups(ref)
-    off = spt.offload(m, budget="4MiB", optimizer=opt, overlap_update=True, train_on_device=0, **EMU)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, overlap_update="backward", train_on_device=0, **EMU)
     for step in range(8):
         micro = 3 if change == "accumulate" else 1
         for model, o in ((m, opt), (ref, opt_ref)):
@@ -494,7 +494,7 @@ def test_an_update_ahead_that_fails_is_computed_in_the_step(monkeypatch):
     monkeypatch.setattr(spillway.optim, "adamw_step", fails_ahead)
     m = stack(8)
     ref = copy.deepcopy(m)
-    off = train(m, ref, two_groups, stack_batches, mse, overlap_update=True)
+    off = train(m, ref, two_groups, stack_batches, mse, overlap_update="backward")
     assert off.stats()["offload"]["updates_ahead_kept"] > 0
     finish(off, m, ref, stack_batches(9)[0])
 
@@ -660,7 +660,7 @@ def test_host_update_falls_back_to_the_optimizers_own_step():
     finish(off, m, ref, stack_batches(9)[0])
     with pytest.raises(spillway.ConfigError, match="host_update"):
         spt.offload(stack(), budget="4MiB", optimizer=None, host_update="c", **EMU)
-    with pytest.raises(spillway.ConfigError, match="overlap_update must be True, False or 'forward', got 'yes'"):
+    with pytest.raises(spillway.ConfigError, match="overlap_update must be True, False or 'backward', got 'yes'"):
         spt.offload(stack(), budget="4MiB", optimizer=torch.optim.AdamW(stack().parameters()), overlap_update="yes",
                     **EMU)
     with pytest.raises(spillway.ConfigError, match="overlap_update.*no optimizer"):

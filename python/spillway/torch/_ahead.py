@@ -1,4 +1,4 @@
-"""offload(optimizer=opt, overlap_update=True): each offloaded parameter's host update is computed
+"""offload(optimizer=opt, overlap_update="backward"): each offloaded parameter's host update is computed
 while the backward still runs, as soon as its gradient is in host memory, into shadow tensors
 (spillway.optim's Adam with separate outputs: the parameter and opt's state are only read).
 opt.step() keeps an update computed ahead where everything it read is still what the step would

@@ -65,13 +65,14 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     update overlaps the forward instead of preceding it. The update is finished by the end of
     the next forward, the next opt.step(), opt.zero_grad(set_to_none=False), opt.state_dict(),
     the module's state_dict(), Offload.synchronize() and remove(); anything else that reads the
-    parameters or opt's state before those must call Offload.synchronize() first. True also
-    computes each Adam or AdamW update during the backward, as soon as the parameter's gradient
-    is in host memory, into spare tensors (host memory: one more copy of the parameters and of
-    the moments it updates), and opt.step() keeps it where nothing it read has changed since
-    (no clipping, no unscale, one backward a step; otherwise it is computed again in the step);
-    "forward" only overlaps the next forward. Off by default. Results are bitwise those of
-    overlap_update=False.
+    parameters or opt's state before those must call Offload.synchronize() first. "backward"
+    also computes each Adam or AdamW update during the backward, as soon as the parameter's
+    gradient is in host memory, into spare tensors (host memory: one more copy of the
+    parameters and of the moments it updates), and opt.step() keeps it where nothing it read
+    has changed since (no clipping, no unscale, one backward a step; otherwise it is computed
+    again in the step). Where host memory's bandwidth bounds the step, as on the machine
+    measured (bench/RESULTS.md), that is slower than True. Off by default. Results are bitwise
+    those of overlap_update=False.
     train_on_device: with optimizer=, the trainable parameters kept on the device with their
     gradients and opt's state, updated there by opt's own step, the rest being offloaded and
     updated on the host as above: the first ones in the module's order (its first blocks, as
@@ -100,10 +101,10 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     block_list = None if blocks is None else list(blocks)
     if host_update not in ("torch", "spillway"):
         raise ConfigError(f"offload: host_update must be 'torch' or 'spillway', got {host_update!r}")
-    if overlap_update not in (False, True, "forward"):
-        raise ConfigError(f"offload: overlap_update must be True, False or 'forward', got {overlap_update!r}")
+    if overlap_update not in (False, True, "backward"):
+        raise ConfigError(f"offload: overlap_update must be True, False or 'backward', got {overlap_update!r}")
     if overlap_update and (optimizer is None or host_update != "spillway"):
-        raise ConfigError("offload: overlap_update=True overlaps spillway's host update (optimizer= with "
+        raise ConfigError("offload: overlap_update overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "
                           + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
     stash = activations if activations is not None else optimizer is not None

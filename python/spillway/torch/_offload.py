@@ -189,7 +189,7 @@ class Offload:
         self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
         # overlap_update: that C step runs beside the next forward (_overlap.py); _update is the
         # one in flight, _update_pool the threads it runs on (made at the first).
-        # overlap_update True (not "forward"): the updates are also computed during the backward
+        # overlap_update "backward": the updates are also computed during the backward
         # (_ahead.py), on the same pool.
         self.overlap_update = overlap_update
         self._update: Optional[_overlap.Update] = None
@@ -270,7 +270,7 @@ class Offload:
                 _train.wrap_step(self, optimizer)
                 if overlap_update:
                     _train.wrap_sync_points(self, optimizer)
-                if overlap_update is True and host_update == "spillway":
+                if overlap_update == "backward" and host_update == "spillway":
                     self._update_pool = _overlap.new_pool()
                     self._ahead = _ahead.Updates(optimizer, self._update_pool)
                     self._landing.ahead = self._ahead

@@ -35,7 +35,7 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
-    made stale, dropped), updates_ahead_kept/updates_ahead_dropped (overlap_update=True: the
+    made stale, dropped), updates_ahead_kept/updates_ahead_dropped (overlap_update="backward": the
     parameters' updates computed during the backward that the step kept / computed again)."""
     return {
         "hook_ns": off.hook_ns,
