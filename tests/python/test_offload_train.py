@@ -542,12 +542,12 @@ def test_an_optimizer_without_a_c_step_trains_both_parts(host_update):
 
 def test_train_on_device_auto():
     """train_on_device="auto" (the default) keeps the first parameters that take, with their
-    gradients, AdamW's two moments and the step's temporaries, at most half of the budget, and
+    gradients, AdamW's two moments and the step's temporaries, at most 70% of the budget, and
     none where that would leave the streamed units no room."""
     m = stack(8)
     opt = torch.optim.AdamW(m.parameters())
     off = spt.offload(m, budget="20MiB", optimizer=opt, **EMU)
-    assert [n for n, _ in off._trainable] == ["0.weight", "0.bias"]  # 2 MiB of parameters at most
+    assert [n for n, _ in off._trainable] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # 2.8 MiB at most
     assert off.device_trained_bytes == 5 * sum(p.numel() * 4 for _, p in off._trainable)
     off.remove()
     # a first parameter larger than the share (a large vocabulary's embedding) is passed over

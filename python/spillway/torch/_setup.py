@@ -129,7 +129,7 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
 # state when train_on_device="auto": the rest holds the streamed units and the activations saved
 # for backward. Also with recomputed activations (gradient checkpointing) the streamed units need
 # that room: each is used in the forward and again in the recomputation (bench/RESULTS.md).
-AUTO_SHARE = 0.5
+AUTO_SHARE = 0.7
 
 
 class Layout(NamedTuple):
