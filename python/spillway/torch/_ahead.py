@@ -24,8 +24,8 @@ Contracts:
   work ahead for 1, 2, 4 ... up to 64 steps, so that such a loop spends little on it.
 - One worker thread per offload, started at the first update queued; it waits for each
   gradient's copy (a CUDA event) and runs the kernels on the offload's pool. drain() waits for
-  it to be idle: whatever writes what it reads, or frees it, drains first (opt.step() when the C
-  step does not run, Offload.synchronize(), remove()).
+  it to be idle: whatever writes what it reads, or frees it, drains first (opt.step(), through
+  Offload.synchronize(); remove()).
 - Never raises into the backward: a failed update computed ahead is computed again in the step.
 """
 from __future__ import annotations
