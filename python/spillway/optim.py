@@ -164,6 +164,10 @@ def _step_number(step: Any) -> int:
     return step
 
 
+# The optional outputs of an Adam step, in spw_adam_tensor's order.
+_OUT_NAMES = ("params_out", "exp_avgs_out", "exp_avg_sqs_out", "max_exp_avg_sqs_out")
+
+
 def _adam(
     fn_name: str,
     params: Arrays,
@@ -193,8 +197,7 @@ def _adam(
     if out is not None:
         if len(out) != 4:
             raise InvalidArgument("out: want (params_out, exp_avgs_out, exp_avg_sqs_out, max_exp_avg_sqs_out)")
-        names = ("params_out", "exp_avgs_out", "exp_avg_sqs_out", "max_exp_avg_sqs_out")
-        for k, (name, o) in enumerate(zip(names, out)):
+        for k, (name, o) in enumerate(zip(_OUT_NAMES, out)):
             if o is not None:
                 outs[k] = _as_list(o, name)
                 lists.append((name, outs[k]))
@@ -231,8 +234,7 @@ def _adam(
             mx, xn, _ = _array(lists[4][1][i], f"max_exp_avg_sqs[{i}]")
             sizes.append(("max_exp_avg_sqs", xn))
         optr = [None, None, None, None]
-        for k, (name, o) in enumerate(zip(("params_out", "exp_avgs_out", "exp_avg_sqs_out", "max_exp_avg_sqs_out"),
-                                          outs)):
+        for k, (name, o) in enumerate(zip(_OUT_NAMES, outs)):
             if o is not None:
                 optr[k], on, _ = _array(o[i], f"{name}[{i}]")
                 sizes.append((name, on))

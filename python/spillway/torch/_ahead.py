@@ -69,11 +69,6 @@ class Ahead:
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-def _hparams(group: Dict[str, Any]) -> Dict[str, Any]:
-    return dict(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
-                maximize=group.get("maximize", False))
-
-
 class Updates:
     """The updates of one offload computed ahead (see the module docstring)."""
 
@@ -145,7 +140,7 @@ class Updates:
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        return Ahead(p, g, st, ins, int(st["step"].item()) + 1, _hparams(group), kernel, outs, event)
+        return Ahead(p, g, st, ins, int(st["step"].item()) + 1, _train.adam_hparams(group), kernel, outs, event)
 
     def _groups(self) -> Dict[int, Dict[str, Any]]:
         return {id(q): g for g in self.opt.param_groups for q in g["params"]}
@@ -167,10 +162,7 @@ class Updates:
                 try:
                     if a.event is not None:
                         a.event.synchronize()
-                    kw = dict(max_exp_avg_sqs=[a.ins[2]], max_exp_avg_sqs_out=[a.outs[3]]) if len(a.ins) == 3 else {}
-                    a.kernel([a.p], [a.g], [a.ins[0]], [a.ins[1]], a.step, pool=self.pool,
-                             params_out=[a.outs[0]], exp_avgs_out=[a.outs[1]], exp_avg_sqs_out=[a.outs[2]], **kw,
-                             **a.hp)
+                    _compute(a, self.pool, params_out=[a.outs[0]])
                 except BaseException:  # noqa: BLE001 - computed again in the step
                     a.failed = True
                 with self._cond:
@@ -219,10 +211,9 @@ class Updates:
             if use and self._valid(a):
                 kept[key] = a
         for a in kept.values():
-            old = tuple(a.st[k] for k in _STATE_KEYS[:len(a.ins)])
             for k, t in zip(_STATE_KEYS, a.outs[1:]):
                 a.st[k] = t
-            self.shadows[id(a.p)] = (a.outs[0],) + old  # the next shadows: written only after this update ends
+            self.shadows[id(a.p)] = (a.outs[0],) + a.ins  # the next shadows: written only after this update ends
         self.kept += len(kept)
         self.dropped += len(pending) - len(kept)
         if pending and not kept:
@@ -247,7 +238,7 @@ class Updates:
             if st.get(k) is not t or t._version != v:
                 return False
         group = self._group_of.get(id(p))
-        return group is not None and _hparams(group) == a.hp and bool(group["amsgrad"]) == (len(a.ins) == 3)
+        return group is not None and _train.adam_hparams(group) == a.hp and bool(group["amsgrad"]) == (len(a.ins) == 3)
 
     def commit(self, aheads: List[Ahead], pool: Any = None) -> None:
         """Make each kept update the parameter's value (a copy into its unit's pack), once
@@ -255,13 +246,15 @@ class Updates:
         for a in aheads:
             self.wait(a)
             with torch.no_grad():
-                if a.failed:
-                    # opt's state holds the shadow moments now, and the shadows its old ones:
-                    # compute from those into these, the parameter in place
-                    old = self.shadows[id(a.p)][1:]
-                    kw = (dict(max_exp_avg_sqs=[old[2]], max_exp_avg_sqs_out=[a.outs[3]]) if len(a.ins) == 3
-                          else {})
-                    a.kernel([a.p], [a.g], [old[0]], [old[1]], a.step, pool=pool,
-                             exp_avgs_out=[a.outs[1]], exp_avg_sqs_out=[a.outs[2]], **kw, **a.hp)
+                if a.failed:  # from the moments it read into those opt's state now holds, the parameter in place
+                    _compute(a, pool)
                 else:
                     a.p.detach().copy_(a.outs[0])
+
+
+def _compute(a: Ahead, pool: Any, **param_out: Any) -> None:
+    """a's update from the state tensors it read (a.ins) into its shadow moments (a.outs[1:]); the
+    parameter goes to param_out's params_out when given, else in place."""
+    kw = dict(max_exp_avg_sqs=[a.ins[2]], max_exp_avg_sqs_out=[a.outs[3]]) if len(a.ins) == 3 else {}
+    a.kernel([a.p], [a.g], [a.ins[0]], [a.ins[1]], a.step, pool=pool, exp_avgs_out=[a.outs[1]],
+             exp_avg_sqs_out=[a.outs[2]], **param_out, **kw, **a.hp)

@@ -77,7 +77,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     gradients and opt's state, updated there by opt's own step, the rest being offloaded and
     updated on the host as above: the first ones in the module's order (its first blocks, as
     a rule), their bytes, gradients and state taken from the budget. "auto" (default): as many
-    as take at most half of the budget so, and fewer where the streamed units then have no
+    as take at most 70% of the budget so, and fewer where the streamed units then have no
     room; a fraction in [0, 1]: that share of the trainable bytes (0: all on the host). The
     host update reads and writes every byte of state each step, bound by host memory; on the
     device the same update takes a small part of the step.

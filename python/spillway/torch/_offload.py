@@ -78,7 +78,7 @@ import ctypes
 import operator
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -134,7 +134,7 @@ class Offload:
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
                activations: bool = False, host_update: str = "spillway",
-               overlap_update: bool = False, train_on_device: Any = "auto") -> "Offload":
+               overlap_update: Union[bool, str] = False, train_on_device: Any = "auto") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         _setup.check_new(module)

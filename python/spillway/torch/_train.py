@@ -442,10 +442,15 @@ def _adam_calls(opt: torch.optim.Optimizer, g: Dict[str, Any], params: List[torc
         lists = by_step.setdefault(int(st["step"].item()), ([], [], [], [], []))
         for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))):
             lst.append(t)
-    return [dict(params=ps, grads=gs, exp_avgs=m1, exp_avg_sqs=m2, step=step, lr=g["lr"], betas=tuple(g["betas"]),
-                 eps=g["eps"], weight_decay=g["weight_decay"], max_exp_avg_sqs=mx if g["amsgrad"] else None,
-                 maximize=g.get("maximize", False))
+    return [dict(params=ps, grads=gs, exp_avgs=m1, exp_avg_sqs=m2, step=step,
+                 max_exp_avg_sqs=mx if g["amsgrad"] else None, **adam_hparams(g))
             for step, (ps, gs, m1, m2, mx) in by_step.items()]
+
+
+def adam_hparams(g: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments of an adam_step/adamw_step call that come from the group, copied."""
+    return dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"],
+                maximize=g.get("maximize", False))
 
 
 def _sgd_calls(opt: torch.optim.Optimizer, g: Dict[str, Any], params: List[torch.Tensor]) -> List[Dict[str, Any]]:
