@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import make_decoder, moved, offloaded_bytes  # noqa: E402
+from models import make_decoder, moved, offloaded_bytes, sync_reference  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 CUDA = dict(backend="cuda")
@@ -153,12 +153,7 @@ def test_train_offloaded_decoder_on_the_device(case):
         else:
             opt.step()
             opt_ref.step()
-        with torch.no_grad():
-            for q, h in zip(ref.parameters(), master.parameters()):
-                q.copy_(h)
-        opt.zero_grad(set_to_none=True)
-        opt_ref.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        sync_reference(ref, master, opt, opt_ref)
         torch.cuda.synchronize()
         off.synchronize()  # the overlapped update may still write the parameters
         # the parameters trained on the device: CUDA's AdamW against the reference's on the host,

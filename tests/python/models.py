@@ -91,6 +91,17 @@ def make_decoder(seed: int = 0, **kw) -> TinyDecoder:
     return m.eval()
 
 
+def sync_reference(ref: nn.Module, master: nn.Module, *opts) -> None:
+    """After a step of a reference whose optimizer runs on a host master copy: the master's
+    parameters copied into the device model ref, and the gradients of opts and ref cleared."""
+    with torch.no_grad():
+        for q, h in zip(ref.parameters(), master.parameters()):
+            q.copy_(h)
+    for o in opts:
+        o.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
 def make_stack(seed: int = 0, dim: int = 64, depth: int = 6) -> nn.Sequential:
     torch.manual_seed(seed)
     layers = []

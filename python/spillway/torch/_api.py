@@ -14,7 +14,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
             host_update: str = "spillway", overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
-            **options: Any) -> Any:
+            process_group: Any = "auto", **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -81,6 +81,14 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     room; a fraction in [0, 1]: that share of the trainable bytes (0: all on the host). The
     host update reads and writes every byte of state each step, bound by host memory; on the
     device the same update takes a small part of the step.
+    process_group: with optimizer=, data-parallel training (torchrun, one offload per rank):
+    "auto" (default) averages the trained parameters' gradients over every rank when
+    torch.distributed is initialized with more than one, as DistributedDataParallel does (each
+    rank's gradient times 1 / world size, summed, on the device before it crosses the link), and
+    sets them to the first rank's values at offload(); a ProcessGroup: over its ranks; None:
+    never. Do not wrap the offloaded model in DistributedDataParallel (its reducer never sees an
+    offloaded parameter's gradient): a forward inside one raises ConfigError. Every rank must
+    run the same forward and backward, as under DistributedDataParallel.
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward
@@ -94,7 +102,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     which is also torch's out-of-memory error. On any error the module is unchanged.
     """
     if not isinstance(module, nn.Module):
-        if optimizer is not None:
+        if optimizer is not None or (process_group is not None and process_group != "auto"):
             raise InvalidArgument("offload: optimizer= trains one nn.Module; offload the trained module on its own")
         return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
                            offload_trainable=offload_trainable, **options)
@@ -110,4 +118,5 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     stash = activations if activations is not None else optimizer is not None
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
                           optimizer=optimizer, activations=bool(stash), host_update=host_update,
-                          overlap_update=overlap_update, train_on_device=train_on_device)
+                          overlap_update=overlap_update, train_on_device=train_on_device,
+                          process_group=process_group)

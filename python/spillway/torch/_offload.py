@@ -87,7 +87,7 @@ from .. import _lib
 from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _ahead, _alloc, _overlap, _patch, _report, _setup, _train, _views
+from . import _ahead, _alloc, _overlap, _parallel, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._errors import OutOfMemoryError
@@ -134,10 +134,13 @@ class Offload:
                trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
                context: Optional[Context] = None, optimizer: Any = None,
                activations: bool = False, host_update: str = "spillway",
-               overlap_update: Union[bool, str] = False, train_on_device: Any = "auto") -> "Offload":
+               overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
+               process_group: Any = "auto") -> "Offload":
         self = object.__new__(cls)
         self._closed = True
         _setup.check_new(module)
+        # the ranks over which training averages its gradients (_parallel), or None
+        self._average = _parallel.resolve(process_group, optimizer is not None)
         backend, dev = _resolve_device(options.pop("backend", "auto"), device)
         self.module = module
         self.device = dev
@@ -265,6 +268,10 @@ class Offload:
                             p.grad = p.grad.to(dev)
             if self._train:  # the optimizer's state of the parameters trained on the device goes with them
                 _train.move_state(optimizer, "param", {id(p) for _, p in self._trainable})
+            if self._average is not None:  # every rank starts from rank 0's weights, as under DDP
+                self._average.broadcast(_train.trained_tensors(self), dev)
+                self._average.watch(p for _, p in self._trainable)
+                self._landing.average = self._average
             self._install(module, hooked)
             if self._train:
                 _train.wrap_step(self, optimizer)
@@ -692,6 +699,12 @@ class Offload:
             return inner(*args, **kwargs)
         self._depth = 1
         auto_step = not self._explicit_steps
+        if self._train and torch.is_grad_enabled():
+            try:
+                _parallel.check_not_wrapped(self.module)
+            except BaseException:
+                self._depth = 0
+                raise
         # With activations kept in the budget a step spans forward and backward (the plan must
         # see the reads of what the forward wrote): it is left open, and ends at the optimizer's
         # step (_train.wrap_step) or, without an optimizer, at the next forward.

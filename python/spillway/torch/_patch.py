@@ -101,6 +101,8 @@ def undo(off: Any) -> None:
     off._moved_trainable = []
     if getattr(off, "_train", False):  # gradients and optimizer state to their parameters' devices
         _train.from_host(off, off.optimizer)
+    if getattr(off, "_average", None) is not None:
+        off._average.close()
     for h in getattr(off, "_grad_hooks", ()):
         h.remove()
     off._grad_hooks = []

@@ -54,6 +54,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "step_evictions": off.step_evictions,
         "updates_ahead_kept": off._ahead.kept if off._ahead is not None else 0,
         "updates_ahead_dropped": off._ahead.dropped if off._ahead is not None else 0,
+        # data parallel (_parallel): ranks the gradients are averaged over (1: none), collectives made
+        "data_parallel_ranks": off._average.world if off._average is not None else 1,
+        "gradient_reductions": off._average.reductions if off._average is not None else 0,
     }
 
 
@@ -111,6 +114,11 @@ def summary(off: Any) -> str:
         lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
                      f"{type(off.optimizer).__name__} (gradients and its state in host memory), "
                      f"{_plural(off.optimizer_steps, 'step')}, {off.step_evictions} stale device copies dropped")
+        if off._average is not None:
+            g = off._average
+            lines.append(f"  data parallel     gradients averaged over {g.world} ranks ({g.backend}, as "
+                         f"DistributedDataParallel), {_plural(g.reductions, 'collective')}; trained "
+                         "parameters broadcast from the first rank at offload()")
         if off._ahead is not None:
             a = off._ahead
             lines.append(f"  updates ahead     {a.kept} parameter updates computed during the backward and kept, "

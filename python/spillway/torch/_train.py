@@ -57,17 +57,21 @@ class GradLanding:
     One host wait a backward, not one a parameter. Hooks registered on the host Parameters do
     not run (autograd never accumulates into them)."""
 
-    __slots__ = ("pending", "queued", "stream", "ahead")
+    __slots__ = ("pending", "queued", "stream", "ahead", "average")
 
     def __init__(self, device: torch.device) -> None:
         self.pending: list = []  # (host Parameter, host tensor), in the order backward made them
         self.queued = False
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ahead: Any = None  # _ahead.Updates: told of each gradient and each landing (overlap_update)
+        self.average: Any = None  # _parallel.GradAverage: each gradient averaged over the ranks first
 
     def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
+        ours = self.average is not None
+        if ours:
+            grad = self.average.average(grad)  # a new tensor, contiguous
         if grad.device == host.device:  # emu: the device tensors are host memory already; a copy of
-            h = grad.detach().clone(memory_format=torch.contiguous_format)  # our own, as on CUDA
+            h = grad if ours else grad.detach().clone(memory_format=torch.contiguous_format)  # our own
         else:
             s = self.stream
             s.wait_stream(torch.cuda.current_stream(grad.device))
@@ -130,6 +134,13 @@ class ToHost(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:  # type: ignore[override]
         ctx.landing.take(ctx.host, grad)
         return None, None, None
+
+
+def trained_tensors(off: Any) -> List[torch.Tensor]:
+    """The parameters off trains: the offloaded ones (host Parameters), in the units' order,
+    then those trained on the device."""
+    out = [e.tensor for u in off.units if u.trains for e in u.entries if not e.is_buffer and e.tensor.requires_grad]
+    return out + [p for _, p in off._trainable]
 
 
 def to_host(off: Any, opt: torch.optim.Optimizer) -> None:
