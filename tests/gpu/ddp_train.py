@@ -10,7 +10,11 @@ Cases: "adamw" (torch's AdamW on the host for both; the head untied from the emb
 loss, averaged gradient and parameter bitwise equal to the reference at every step;
 "c-adamw-on-device" (the tied decoder): spillway's C AdamW, a quarter of the trained bytes (the
 tied embedding among them) trained on the device, within the tolerances of
-test_torch_train_gpu.py. Each rank prints one line: RESULT {json}."""
+test_torch_train_gpu.py; "adapters-ddp": low-rank adapters on the decoder's frozen, offloaded
+weights, offloaded without optimizer= (the adapters stay on the device) and wrapped in
+DistributedDataParallel itself (the offload hides its host copies from DDP), against the same
+model resident under DDP: every loss and parameter bitwise equal. Each rank prints one line:
+RESULT {json}."""
 from __future__ import annotations
 
 import copy
@@ -35,6 +39,61 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+class Adapter(nn.Module):
+    """x -> base(x) + x @ a @ b: a frozen Linear with a trainable low-rank adapter."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(base.in_features, rank) * 0.05)
+        self.b = nn.Parameter(torch.randn(rank, base.out_features) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.to(x.dtype) @ self.b.to(x.dtype)
+
+
+def adapters(rank: int, world: int, backend: str, dev: torch.device) -> dict:
+    m = make_decoder(seed=0, vocab=1024, dim=256, heads=4, layers=4).train().requires_grad_(False)
+    torch.manual_seed(rank)  # adapters of their own per rank: DDP makes them rank 0's
+    for parent in list(m.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Adapter(child))
+    assert any(p.requires_grad for p in m.parameters())
+    ref = copy.deepcopy(m).to(dev)
+    off = spt.offload(m, budget="4MiB", backend="cuda")
+    ids = dict(device_ids=[dev.index]) if backend == "nccl" else {}
+    ddp, ddp_ref = nn.parallel.DistributedDataParallel(m, **ids), nn.parallel.DistributedDataParallel(ref, **ids)
+    opt, opt_ref = (torch.optim.AdamW([p for p in x.parameters() if p.requires_grad], lr=1e-3) for x in (m, ref))
+    assert all(p.device == dev for p in m.parameters() if p.requires_grad)
+    assert offloaded_bytes(off) > off.context.budget
+    g = torch.Generator().manual_seed(1000 * rank)
+    for step in range(STEPS):
+        ids_ = torch.randint(0, 1024, (16, 64), generator=g).to(dev)
+        target = torch.randint(0, 1024, (16, 64), generator=g).to(dev)
+        loss = moved(off, lambda: nn.functional.cross_entropy(ddp(ids_)[0].float().flatten(0, 1), target.flatten()))
+        want = nn.functional.cross_entropy(ddp_ref(ids_)[0].float().flatten(0, 1), target.flatten())
+        assert torch.equal(loss, want), (step, loss, want)
+        loss.backward()
+        want.backward()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            if p.requires_grad:
+                assert torch.equal(p, q), (step, n)
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters() if p.requires_grad])
+    first = flat.clone()
+    dist.broadcast(first, 0)
+    out = dict(same_as_rank0=bool(torch.equal(flat, first)), ranks=world,
+               hidden=len(ddp.parameters_to_ignore),
+               moved_per_step=int(off.context.stats()["bytes_h2d"]["total"] / max(off.steps, 1)),
+               budget=off.context.budget)
+    off.remove()
+    return out
+
+
 def main() -> None:
     case = sys.argv[1] if len(sys.argv) > 1 else "adamw"
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,6 +103,12 @@ def main() -> None:
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group(backend)
+    if case == "adapters-ddp":
+        res = adapters(rank, world, backend, dev)
+        print("RESULT " + json.dumps(dict(case=case, rank=rank, backend=backend, device=str(dev), **res)), flush=True)
+        assert res["same_as_rank0"]
+        dist.destroy_process_group()
+        return
 
     m = make_decoder(seed=rank, vocab=1024, dim=256, heads=4, layers=4).train()
     c_step = case.startswith("c-adamw")

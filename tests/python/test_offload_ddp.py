@@ -6,9 +6,11 @@ reducer does); with accumulation and clipping the losses are within 1e-5 relativ
 weights within 1e-5 of their largest (DDP averages the accumulated gradient, the offload each
 backward's: the same sum, rounded in another order). Also: the weights move every step, the
 ranks start from rank 0's weights, wrapping the offloaded model in DistributedDataParallel is
-a clear error, and bad process_group values are refused before anything moves."""
+a clear error, and bad process_group values are refused before anything moves. Adapters on an
+offloaded frozen base (no optimizer=) train under DistributedDataParallel itself, bitwise."""
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 
@@ -98,6 +100,54 @@ def not_averaged(rank: int):
     return out
 
 
+class Adapted(nn.Module):
+    """A frozen Linear(512, 512) with a trainable low-rank adapter beside it (LoRA's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(512, 512).requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(512, 8) * 0.05)
+        self.b = nn.Parameter(torch.randn(8, 512) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + x @ self.a @ self.b)
+
+
+def adapters(rank: int):
+    """Adapters on an offloaded frozen base, under DistributedDataParallel (the adapters stay
+    resident: DDP averages their gradients; the offload hides the base from DDP), against the
+    same model resident under DDP."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Adapted() for _ in range(8)])
+    torch.manual_seed(rank)  # the adapters differ by rank: DDP's broadcast makes them rank 0's
+    with torch.no_grad():
+        for mod in m:
+            mod.a.normal_(0, 0.05)
+            mod.b.normal_(0, 0.05)
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="4MiB", backend="emu")
+    ddp, ddp_ref = nn.parallel.DistributedDataParallel(m), nn.parallel.DistributedDataParallel(ref)
+    hidden = sorted(ddp.parameters_to_ignore)
+    opt, opt_ref = (torch.optim.AdamW([p for p in mod.parameters() if p.requires_grad], lr=1e-3) for mod in (m, ref))
+    losses = []
+    for step in range(STEPS):
+        x = batches(rank, step, 1)[0]
+        loss = moved(off, lambda: ddp(x).square().mean())
+        want = ddp_ref(x).square().mean()
+        losses.append((loss.item(), want.item()))
+        loss.backward()
+        want.backward()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    out = dict(hidden=hidden, losses=losses, params=[p.detach().clone() for p in m.parameters()],
+               ref=[p.detach().clone() for p in ref.parameters()])
+    off.remove()
+    out["after_remove"] = hasattr(m, "_ddp_params_and_buffers_to_ignore")
+    return out
+
+
 def worker(rank: int, init: str, out_dir: str) -> None:
     result = {}
     try:
@@ -106,6 +156,7 @@ def worker(rank: int, init: str, out_dir: str) -> None:
         result["accumulate"] = train_pair(rank, 2, 1.0, "4MiB", train_on_device=0)
         result["wrapped"] = wrapped(rank)
         result["none"] = not_averaged(rank)
+        result["adapters"] = adapters(rank)
         dist.destroy_process_group()
     except BaseException:
         result["error"] = traceback.format_exc()
@@ -180,3 +231,16 @@ def test_bad_process_group_changes_nothing(bad):
         spt.offload(m, budget="4MiB", optimizer=adamw(m), backend="emu", process_group=bad)
     assert all(p.data_ptr() == ptr and p.device.type == "cpu" for p, ptr in before)
     assert "forward" not in m.__dict__
+
+
+def test_ddp_wraps_adapters_on_an_offloaded_base(ranks):
+    for res in ranks:
+        a = res["adapters"]
+        assert a["hidden"] == sorted(f"{i}.base.{w}" for i in range(8) for w in ("weight", "bias"))
+        for loss, want in a["losses"]:
+            assert loss == want
+        for p, q in zip(a["params"], a["ref"]):
+            assert torch.equal(p, q)
+        for p, q in zip(a["params"], ranks[0]["adapters"]["params"]):
+            assert torch.equal(p, q)
+        assert not a["after_remove"]

@@ -141,6 +141,7 @@ class Offload:
         _setup.check_new(module)
         # the ranks over which training averages its gradients (_parallel), or None
         self._average = _parallel.resolve(process_group, optimizer is not None)
+        self._ddp_hidden: Any = None  # what _parallel.hide_offloaded changed, for remove()
         backend, dev = _resolve_device(options.pop("backend", "auto"), device)
         self.module = module
         self.device = dev
@@ -273,6 +274,8 @@ class Offload:
                 self._average.watch(p for _, p in self._trainable)
                 self._landing.average = self._average
             self._install(module, hooked)
+            self._ddp_hidden = _parallel.hide_offloaded(module, (e.tensor for u in units for e in u.entries
+                                                                 if not (e.tensor.requires_grad and self._train)))
             if self._train:
                 _train.wrap_step(self, optimizer)
                 if overlap_update:

@@ -13,7 +13,7 @@ collective. The arithmetic is DistributedDataParallel's: each rank's gradient mu
 1 / world size, then summed."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -156,3 +156,30 @@ def check_not_wrapped(module: torch.nn.Module) -> None:
                           "DistributedDataParallel, whose reducer never sees an offloaded parameter's gradient; "
                           "the offload averages the gradients over the ranks itself (process_group='auto'): "
                           "call the offloaded model directly, not through DistributedDataParallel")
+
+
+_IGNORE = "_ddp_params_and_buffers_to_ignore"  # read by DistributedDataParallel's constructor
+
+
+def hide_offloaded(module: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> Tuple[bool, Any]:
+    """Add the names of tensors (the offloaded weights and buffers, frozen) to the names
+    DistributedDataParallel leaves out, so that it can wrap a model whose trained parameters
+    are on the device (adapters on an offloaded base): it neither broadcasts nor checks the
+    devices of the host copies. Returns what to put back (show_offloaded)."""
+    ids = {id(t) for t in tensors}
+    names = [f"{mn}.{n}" if mn else n
+             for mn, m in module.named_modules(remove_duplicate=False)
+             for n, t in list(m._parameters.items()) + list(m._buffers.items())
+             if t is not None and id(t) in ids]
+    had = _IGNORE in module.__dict__
+    before = module.__dict__.get(_IGNORE)
+    setattr(module, _IGNORE, list(before or ()) + [n for n in names if n not in set(before or ())])
+    return had, before
+
+
+def show_offloaded(module: torch.nn.Module, saved: Tuple[bool, Any]) -> None:
+    had, before = saved
+    if had:
+        setattr(module, _IGNORE, before)
+    else:
+        module.__dict__.pop(_IGNORE, None)

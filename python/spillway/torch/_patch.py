@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import errors as _errors
-from . import _train
+from . import _parallel, _train
 from ._setup import ACTIVE
 
 
@@ -103,6 +103,9 @@ def undo(off: Any) -> None:
         _train.from_host(off, off.optimizer)
     if getattr(off, "_average", None) is not None:
         off._average.close()
+    if getattr(off, "_ddp_hidden", None) is not None:
+        _parallel.show_offloaded(off.module, off._ddp_hidden)
+        off._ddp_hidden = None
     for h in getattr(off, "_grad_hooks", ()):
         h.remove()
     off._grad_hooks = []
