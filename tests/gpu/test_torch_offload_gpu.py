@@ -55,6 +55,26 @@ def test_stack_equal_and_restored_on_device():
         assert p.device == DEV and torch.equal(p, q), n
 
 
+def test_moving_an_offloaded_model_to_the_device_moves_nothing():
+    """model.to("cuda") / .cuda() after offload() (pipe.to("cuda"), a trainer placing its model)
+    keeps the weights in their packs: nothing is copied to the device beside the offload, and
+    they still move each forward."""
+    m = frozen(make_stack(dim=1024))
+    ref = copy.deepcopy(m).to(DEV)
+    x = torch.randn(5, 1024, device=DEV)
+    off = spt.offload(m, budget="10MiB", **CUDA)
+    before = torch.cuda.memory_allocated(DEV)
+    assert m.to(DEV) is m and m.cuda() is m and m.to("cuda", torch.float32) is m
+    assert torch.cuda.memory_allocated(DEV) == before
+    assert all(p.device.type == "cpu" for p in m.parameters())
+    assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    with pytest.raises(spillway.ConfigError, match="convert the model before offload"):
+        m.to(DEV, torch.bfloat16)
+    off.remove()
+    m.cuda()
+    assert all(p.device == DEV for p in m.parameters())
+
+
 def test_decoder_kv_loop_tied_and_plan_below_lru():
     ids = torch.randint(0, 97, (2, 7), device=DEV)
     ref = make_decoder(dim=128, layers=8).to(DEV)

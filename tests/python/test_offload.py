@@ -34,7 +34,7 @@ def assert_unchanged(m: nn.Module, snap) -> None:
         assert t.data_ptr() == ptr and t.stride() == stride and t.device == dev, n
         assert torch.equal(t, val), n
     for sub in m.modules():
-        assert "forward" not in sub.__dict__
+        assert "forward" not in sub.__dict__ and "_apply" not in sub.__dict__
         assert not sub._forward_pre_hooks and not sub._forward_hooks
 
 
@@ -770,6 +770,44 @@ def test_device_property_reports_the_execution_device():
     assert torch.equal(m(x), want)
     off.remove()
     assert type(m) is WithDevice
+
+
+def test_conversions_leave_the_offloaded_weights_alone():
+    """model.to(device), .cpu(), .float() (a habit: pipe.to("cuda"), a trainer placing its
+    model) keep the offloaded weights in their packs, and they still move every forward;
+    resident trainable parameters convert as usual; a dtype change is a ConfigError that
+    changes nothing. After remove() conversions are torch's again."""
+    m = make_decoder(dim=128, layers=8)
+    frozen(m)
+    m.norm.weight.requires_grad_(True)  # kept resident (the rest is frozen)
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 97, (2, 7))
+    off = spt.offload(m, budget="4MiB", **EMU)
+    packed = {n: t.data_ptr() for n, t in list(m.named_parameters()) + list(m.named_buffers())
+              if n != "norm.weight"}
+    assert m.to(off.device) is m and m.cpu() is m and m.float() is m and m.to(torch.float32) is m
+    assert {n: t.data_ptr() for n, t in list(m.named_parameters()) + list(m.named_buffers())
+            if n != "norm.weight"} == packed
+    assert torch.equal(moved(off, lambda: m(ids)[0]), ref(ids)[0])
+    # on emu the device is the host, where .to() moves nothing: to_empty() makes new tensors
+    m.to_empty(device=off.device)
+    assert {n: t.data_ptr() for n, t in list(m.named_parameters()) + list(m.named_buffers())
+            if n != "norm.weight"} == packed
+    with torch.no_grad():
+        m.norm.weight.copy_(ref.norm.weight)  # the one resident parameter was made anew, uninitialized
+    assert torch.equal(moved(off, lambda: m(ids)[0]), ref(ids)[0])
+    snap = snapshot(m)
+    for convert in (lambda: m.half(), lambda: m.to(torch.bfloat16), lambda: m.to("cpu", torch.float64),
+                    lambda: m.double()):
+        with pytest.raises(spillway.ConfigError, match="would turn the offloaded torch.float32 weights"):
+            convert()
+        for n, (t, ptr, val, stride, dev) in snap.items():  # the resident norm.weight too
+            assert t.dtype == val.dtype and t.data_ptr() == ptr and torch.equal(t, val), n
+    assert torch.equal(moved(off, lambda: m(ids)[0]), ref(ids)[0])
+    off.remove()
+    assert "_apply" not in m.__dict__
+    m.double()
+    assert m.layers[0].mlp[0].weight.dtype == torch.float64 and m.norm.weight.dtype == torch.float64
 
 
 def test_units_keep_device_tensors_for_their_latest_addresses():

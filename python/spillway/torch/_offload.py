@@ -297,6 +297,7 @@ class Offload:
             if m is not module:  # the top level acquires its own units inside its forward wrapper
                 _patch.wrap_forward(self, m, self._block_forward(m, m.forward, self._needs[id(m)]))
         _patch.swap_device_property(self, module)
+        _patch.guard_conversions(self, module)
         inner = module.forward
         off = self  # held by the wrapper: an offload lives as long as its module's forward needs it
 

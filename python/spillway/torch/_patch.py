@@ -1,6 +1,7 @@
 """What an offload changes on the caller's objects, and remove(), which puts it all back: forwards
-wrapped, a model class swapped for one that reports the execution device, tensors restored
-to their devices, the trained parameters' state, the buffers and the context."""
+wrapped, a model class swapped for one that reports the execution device, conversions
+(.to(), .cuda(), .half()) that leave the offloaded tensors alone, tensors restored to their
+devices, the trained parameters' state, the buffers and the context."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,8 @@ import torch
 from torch import nn
 
 from .. import errors as _errors
-from . import _parallel, _train
+from ..errors import ConfigError
+from . import _methods, _parallel, _train
 from ._setup import ACTIVE
 
 
@@ -28,6 +30,42 @@ def swap_device_property(off: Any, module: nn.Module) -> None:
                                       "__module__": cls.__module__})
     module.__class__ = sub
     off._orig_class = cls
+
+
+def guard_conversions(off: Any, module: nn.Module) -> None:
+    """module.to(), .cuda(), .cpu(), .half(), .float(), .to_empty() and the like all run
+    nn.Module._apply(fn) over every tensor of the tree. On an offloaded module that would
+    convert the host views the modules hold between forwards: the whole model copied to the
+    device beside the offload (a habit: pipe.to("cuda"), a trainer moving its model), or its
+    weights cut off from the packs. The top module's _apply becomes one that leaves the
+    offloaded tensors where they are when fn keeps their dtype (whatever device it names: the
+    offload brings them to its device as each forward needs them) and raises ConfigError,
+    changing nothing, when it would change their dtype; the other tensors (trainable
+    parameters kept on the device) convert as usual. remove() puts the method back."""
+    dtypes = sorted({e.dtype for u in off.units for e in u.entries}, key=str)
+    inner = module._apply  # the class's, or an instance attribute already there
+
+    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if off._closed:
+            return inner(fn, *args, **kwargs)
+        for dt in dtypes:
+            got = fn(torch.empty(0, dtype=dt)).dtype
+            if got != dt:
+                raise ConfigError(f"offload: this conversion would turn the offloaded {dt} weights of "
+                                  f"{type(self).__name__} into {got}; convert the model before offload() "
+                                  "(remove() the offload first)")
+        ids = {id(e.tensor) for u in off.units for e in u.entries}
+        hidden = [(d, k, t) for m in self.modules() for d in (m._parameters, m._buffers)
+                  for k, t in d.items() if t is not None and id(t) in ids]
+        for d, k, _ in hidden:
+            d[k] = None  # _apply passes over None
+        try:
+            return inner(fn, *args, **kwargs)
+        finally:
+            for d, k, t in hidden:
+                d[k] = t
+
+    _methods.install(off, module, "_apply", _apply)
 
 
 def wrap_forward(off: Any, m: nn.Module, forward: Any) -> None:

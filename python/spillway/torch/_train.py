@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -17,7 +16,7 @@ from torch import nn
 from .. import _lib
 from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
-from . import _overlap
+from . import _methods, _overlap
 from ._units import _Unit
 
 _lib_c = _lib.lib
@@ -180,16 +179,6 @@ def move_state(opt: torch.optim.Optimizer, to: Optional[str], only: Optional[set
                     st[k] = v.to(dev)
 
 
-def _install(off: Any, obj: Any, name: str, fn: Any) -> None:
-    """Make fn, bound to obj, obj's instance attribute `name`, and record in off._method_wraps
-    what was there, for remove() (_patch.undo) to put back."""
-    had = name in obj.__dict__
-    prev = obj.__dict__.get(name)
-    bound = types.MethodType(fn, obj)
-    setattr(obj, name, bound)
-    off._method_wraps.append((obj, name, had, prev, bound))
-
-
 def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     """Make opt.step end by dropping the device copies of the units that hold opt's
     parameters (refresh): the step changed their host copies. An instance attribute, a
@@ -244,7 +233,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     step.__wrapped__ = inner  # type: ignore[attr-defined]
     if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
         step._with_counter = True  # type: ignore[attr-defined]
-    _install(off, opt, "step", step)
+    _methods.install(off, opt, "step", step)
 
 
 def wrap_sync_points(off: Any, opt: Any) -> None:
@@ -271,7 +260,7 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
             return inner(*args, **kwargs)
 
         functools.update_wrapper(call, inner)
-        _install(off, obj, name, call)
+        _methods.install(off, obj, name, call)
 
     param = inspect.signature(opt.zero_grad).parameters.get("set_to_none")
     default = bool(param.default) if param is not None and param.default is not inspect.Parameter.empty else True
