@@ -75,6 +75,24 @@ def test_moving_an_offloaded_model_to_the_device_moves_nothing():
     assert all(p.device == DEV for p in m.parameters())
 
 
+def test_weights_edited_between_forwards_are_uploaded_again():
+    """load_state_dict and a .data replaced on an offloaded model whose units stay on the device
+    across forwards: the next forward computes with the new weights."""
+    m, other = frozen(make_stack(dim=1024, depth=8)), frozen(make_stack(seed=1, dim=1024, depth=8)).to(DEV)
+    x = torch.randn(4, 1024, device=DEV)
+    off = spt.offload(m, budget="20MiB", **CUDA)
+    for _ in range(4):
+        m(x)
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(m(x), other(x))
+    new = torch.randn(1024, 1024, device=DEV) / 32
+    other[2].weight.data = new.clone()
+    m[2].weight.data = new.cpu()
+    assert torch.equal(m(x), other(x))
+    assert off.stats()["offload"]["edit_evictions"] >= len(off.units) + 1
+    off.remove()
+
+
 def test_decoder_kv_loop_tied_and_plan_below_lru():
     ids = torch.randint(0, 97, (2, 7), device=DEV)
     ref = make_decoder(dim=128, layers=8).to(DEV)

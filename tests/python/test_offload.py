@@ -397,8 +397,59 @@ def test_buffer_mutated_in_place_is_written_through():
         assert torch.equal(m(x), ref(x))
     assert m[0].calls.item() == 3.0
     assert off.stats()["offload"]["buffer_writebacks"] == 6
+    assert off.stats()["offload"]["edit_evictions"] == 0  # the forward's own writes are not edits
     off.remove()
     assert torch.equal(m[1].calls, ref[1].calls)
+
+
+def test_edits_of_the_weights_between_forwards_reach_the_device():
+    """load_state_dict, an in-place op under no_grad, torch.nn.init and a .data replaced, between
+    forwards, while the plan keeps units on the device across them: the next forward computes
+    with the new weights, and the units edited (only those) are uploaded again. An in-place op
+    on .data is not seen until refresh_weights(); a .data of another shape is a ConfigError."""
+    m, other = frozen(make_stack(dim=1024, depth=8)), frozen(make_stack(seed=1, dim=1024, depth=8))
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="20MiB", **EMU)  # 32 MiB of weights: some stay across forwards
+    for _ in range(4):
+        m(x)
+    h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
+    before = h2d()
+    m(x)
+    steady = h2d() - before
+    assert off.stats()["offload"]["edit_evictions"] == 0
+
+    def check(edit, evicted):
+        edit()
+        n0, b0 = off.stats()["offload"]["edit_evictions"], h2d()
+        assert torch.equal(m(x), other(x))
+        assert off.stats()["offload"]["edit_evictions"] - n0 == evicted
+        return h2d() - b0
+
+    moved_all = check(lambda: m.load_state_dict(other.state_dict()), len(off.units))
+    assert moved_all >= sum(u.nbytes for u in off.units) > steady  # every unit came back
+    def double_first(model):
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+
+    double_first(other)
+    check(lambda: double_first(m), 1)
+    with torch.no_grad():
+        other[2].bias.zero_()
+    check(lambda: nn.init.zeros_(m[2].bias), 1)
+    new = torch.randn(1024, 1024) / 32
+    other[4].weight.data = new.clone()
+    check(lambda: setattr(m[4].weight, "data", new.clone()), 1)
+    # the new values went into the pack, and the parameter is a view of it again
+    assert any(u.pack.data_ptr() <= m[4].weight.data_ptr() < u.pack.data_ptr() + u.pack.numel() for u in off.units)
+    with torch.no_grad():
+        other[6].weight.add_(1)
+    m[6].weight.data += 1  # not seen: a .data op bumps no version
+    off.refresh_weights()
+    assert torch.equal(m(x), other(x))
+    m[0].weight.data = torch.zeros(8, 8)
+    with pytest.raises(spillway.ConfigError, match="replaced by a torch.float32 tensor of shape"):
+        m(x)
+    off.remove()
 
 
 def test_remove_restores_exactly_and_leaves_nothing_held():

@@ -87,7 +87,7 @@ from .. import _lib
 from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _ahead, _alloc, _overlap, _parallel, _patch, _report, _setup, _train, _views
+from . import _ahead, _alloc, _edits, _overlap, _parallel, _patch, _report, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._errors import OutOfMemoryError
@@ -211,6 +211,8 @@ class Offload:
         self._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []
         self.optimizer_steps = 0
         self.step_evictions = 0  # device copies of units dropped after optimizer steps
+        self._edits: Optional[_edits.HostEdits] = None  # the offloaded weights, watched for edits between forwards
+        self.edit_evictions = 0  # device copies dropped because their host copies were edited
         # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the
         # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
         # wait for the interpreter lock in its destructor, and the exit hangs).
@@ -258,6 +260,7 @@ class Offload:
             owners = _param_owners(module)
             for u in units:
                 _views.pack(self, u, owners)
+            self._edits = _edits.HostEdits(units)
             if self._train:
                 _train.to_host(self, optimizer)
             if backend == "cuda":
@@ -703,12 +706,13 @@ class Offload:
             return inner(*args, **kwargs)
         self._depth = 1
         auto_step = not self._explicit_steps
-        if self._train and torch.is_grad_enabled():
-            try:
+        try:
+            if self._train and torch.is_grad_enabled():
                 _parallel.check_not_wrapped(self.module)
-            except BaseException:
-                self._depth = 0
-                raise
+            self._drop_edited()
+        except BaseException:
+            self._depth = 0
+            raise
         # With activations kept in the budget a step spans forward and backward (the plan must
         # see the reads of what the forward wrote): it is left open, and ends at the optimizer's
         # step (_train.wrap_step) or, without an optimizer, at the next forward.
@@ -744,8 +748,32 @@ class Offload:
                 if auto_step and not spans:
                     self._step_end()
                 self._depth = 0
+                self._edits.forward_ended()  # the buffers it wrote are written through
                 if self._update is not None:  # every unit it updates was waited for, or unused
                     self.synchronize()
+
+    def _drop_edited(self) -> None:
+        """Before a forward: drop the device copies of the units whose host tensors were edited
+        since the last forward (_edits)."""
+        stale = self._edits.stale()
+        if stale:
+            self._flush()
+            _edits.evict(stale)
+            self.edit_evictions += len(stale)
+
+    def refresh_weights(self) -> None:
+        """Drop the device copy of every offloaded unit that no optimizer= trains, so that the
+        next forward uploads the host copies: after editing the weights in a way the offload
+        cannot see (an in-place op on a parameter's .data), or to be sure. Edits through the
+        parameters themselves (load_state_dict, in-place ops under no_grad, a .data
+        replaced) are found before each forward without it."""
+        if self._depth or self._acquired:
+            raise StateError("spillway.torch: refresh_weights() during a forward of the offloaded module")
+        self._flush()
+        units = [u for u in self.units if not u.trains]
+        _edits.evict(units)
+        self.edit_evictions += len(units)
+        self._edits.stale()  # a .data replaced is copied into its pack too
 
     def _end_open_step(self) -> None:
         """End the step a forward left open (activations kept in the budget)."""

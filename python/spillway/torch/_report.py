@@ -35,7 +35,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
-    made stale, dropped), updates_ahead_kept/updates_ahead_dropped (overlap_update="backward": the
+    made stale, dropped), edit_evictions (device copies dropped before a forward because their
+    host copies were edited since the last: load_state_dict, in-place ops, a .data replaced),
+    updates_ahead_kept/updates_ahead_dropped (overlap_update="backward": the
     parameters' updates computed during the backward that the step kept / computed again)."""
     return {
         "hook_ns": off.hook_ns,
@@ -52,6 +54,7 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "activation_bytes": off.activation_bytes,
         "optimizer_steps": off.optimizer_steps,
         "step_evictions": off.step_evictions,
+        "edit_evictions": off.edit_evictions,  # device copies dropped: their host copies were edited
         "updates_ahead_kept": off._ahead.kept if off._ahead is not None else 0,
         "updates_ahead_dropped": off._ahead.dropped if off._ahead is not None else 0,
         # data parallel (_parallel): ranks the gradients are averaged over (1: none), collectives made

@@ -1,0 +1,89 @@
+"""Edits of offloaded weights between forwards. Between forwards the modules hold host views into
+the units' packs, and the policy may keep a unit's device copy across forwards: an edit of a
+host view (load_state_dict, torch.nn.init, an in-place op under no_grad, a weight's .data
+replaced) would leave that copy stale, and the next forward would compute with the old weights.
+So each top-level forward first looks for edits since the last one ended, copies a replaced
+.data into the pack, and drops the device copies of the units edited (spw_evict: a read-only
+buffer's copy goes without a transfer; the next acquire uploads the pack).
+
+An edit is seen through the tensor's version counter (bumped by every in-place op on the tensor
+or its detached views) and its data pointer (a .data assignment). An in-place op on `.data`
+itself (`w.data += d`) bumps neither and is not seen: do it under torch.no_grad() on the
+parameter, or call Offload.refresh_weights(). The units an optimizer= trains are refreshed by
+its step instead and are not watched."""
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from .. import _lib
+from ..errors import ConfigError, error_for
+from ._units import _Entry, _Unit
+
+_version = operator.attrgetter("_version")
+_ptr = torch.Tensor.data_ptr
+
+
+class HostEdits:
+    """The watched tensors of an offload's units and what they were when the last forward
+    ended (mark)."""
+
+    __slots__ = ("where", "tensors", "versions", "ptrs", "buffers")
+
+    def __init__(self, units: Sequence[_Unit]) -> None:
+        self.where: Tuple[Tuple[_Unit, _Entry], ...] = tuple((u, e) for u in units if not u.trains for e in u.entries)
+        self.tensors = tuple(e.tensor for _, e in self.where)
+        self.buffers = tuple(i for i, (_, e) in enumerate(self.where) if e.is_buffer)
+        self.versions: List[int] = []
+        self.ptrs: List[int] = []
+        self.mark()
+
+    def mark(self) -> None:
+        self.versions = list(map(_version, self.tensors))
+        self.ptrs = list(map(_ptr, self.tensors))
+
+    def forward_ended(self) -> None:
+        """After a forward: the versions of the buffers it may have written in place (written
+        through to their packs, so not edits); a forward writes no parameter."""
+        vs, ts = self.versions, self.tensors
+        for i in self.buffers:
+            vs[i] = ts[i]._version
+
+    def stale(self) -> List[_Unit]:
+        """The units with a tensor edited since mark(); a replaced .data is copied into the pack
+        first (ConfigError, changing nothing, if its shape or dtype differs)."""
+        vs, ps = list(map(_version, self.tensors)), list(map(_ptr, self.tensors))
+        if vs == self.versions and ps == self.ptrs:
+            return []
+        changed = [i for i, (v, p, v0, p0) in enumerate(zip(vs, ps, self.versions, self.ptrs)) if v != v0 or p != p0]
+        for i in changed:
+            if ps[i] != self.ptrs[i]:
+                _check_shape(self.where[i][1])
+        units: List[_Unit] = []
+        for i in changed:
+            u, e = self.where[i]
+            if ps[i] != self.ptrs[i]:
+                with torch.no_grad():
+                    e.host_view.copy_(e.tensor.data)
+                e.tensor.data = e.host_view
+            if u not in units:
+                units.append(u)
+        self.mark()
+        return units
+
+
+def _check_shape(e: _Entry) -> None:
+    new = e.tensor.data
+    if tuple(new.shape) != e.shape or new.dtype != e.dtype:
+        raise ConfigError(f"offload: {e.name} was replaced by a {new.dtype} tensor of shape {tuple(new.shape)}, "
+                          f"where the offload holds {e.dtype} {e.shape}; remove() the offload and offload again")
+
+
+def evict(units: Sequence[Any]) -> None:
+    """Drop each unit's device copy: the next acquire uploads its host copy."""
+    for u in units:
+        st = _lib.lib.spw_evict(u.handle)
+        if st:
+            raise error_for(st)
