@@ -52,7 +52,8 @@ def train_pair(rank: int, micro: int, clip: float, budget: str, **offload_args):
     m, ref = stack(rank), stack(rank)
     ddp = nn.parallel.DistributedDataParallel(ref)
     opt, opt_ref = adamw(m), adamw(ref)
-    off = spt.offload(m, budget=budget, optimizer=opt, backend="emu", **offload_args)
+    with torch.no_grad():  # as a setup under no_grad would: the device-trained parameters are still watched
+        off = spt.offload(m, budget=budget, optimizer=opt, backend="emu", **offload_args)
     first = [p.detach().clone() for p in m.parameters()]
     losses = []
     for step in range(STEPS):

@@ -91,7 +91,8 @@ class GradAverage:
         for p in params:
             if not p.requires_grad:
                 continue
-            acc = p.expand_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad, kept alive here
+            with torch.enable_grad():  # offload() may be called under no_grad
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad, kept alive here
             self.accumulators.append(acc)
             self.hooks.append(acc.register_hook(self._hook_for(p)))
 
@@ -162,10 +163,12 @@ _IGNORE = "_ddp_params_and_buffers_to_ignore"  # read by DistributedDataParallel
 
 
 def hide_offloaded(module: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> Tuple[bool, Any]:
-    """Add the names of tensors (the offloaded weights and buffers, frozen) to the names
-    DistributedDataParallel leaves out, so that it can wrap a model whose trained parameters
-    are on the device (adapters on an offloaded base): it neither broadcasts nor checks the
-    devices of the host copies. Returns what to put back (show_offloaded)."""
+    """Add the names of tensors (the offloaded weights and buffers that the offload does not
+    train) to the names DistributedDataParallel leaves out, so that it can wrap a model whose
+    trained parameters are on the device (adapters on an offloaded base): it neither
+    broadcasts nor checks the devices of the host copies. (Hiding the parameters trained
+    through the offload as well can leave DDP none, which torch 1.13's DDP does not survive.)
+    Returns what to put back (show_offloaded)."""
     ids = {id(t) for t in tensors}
     names = [f"{mn}.{n}" if mn else n
              for mn, m in module.named_modules(remove_duplicate=False)
