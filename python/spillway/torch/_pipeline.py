@@ -96,6 +96,13 @@ class Offloads:
         lines += ["", self.context.summary()]
         return "\n".join(lines)
 
+    def refresh_weights(self) -> None:
+        """Offload.refresh_weights() of every module: after an edit of the weights that no
+        version counter sees (an in-place op on .data, as peft's merge() and so a pipeline's
+        fuse_lora() do), the next forwards upload the host copies."""
+        for o in self.offloads:
+            o.refresh_weights()
+
     def remove(self) -> None:
         """Put every module back as it was (Offload.remove), then close the shared context."""
         for o in reversed(self.offloads):
