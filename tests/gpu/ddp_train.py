@@ -29,7 +29,7 @@ from torch import nn
 import spillway.torch as spt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import make_decoder, moved, offloaded_bytes, sync_reference  # noqa: E402
+from models import make_decoder, moved, offloaded_bytes, step_pair, sync_reference  # noqa: E402
 
 STEPS = 5
 
@@ -74,12 +74,7 @@ def adapters(rank: int, world: int, backend: str, dev: torch.device) -> dict:
         loss = moved(off, lambda: nn.functional.cross_entropy(ddp(ids_)[0].float().flatten(0, 1), target.flatten()))
         want = nn.functional.cross_entropy(ddp_ref(ids_)[0].float().flatten(0, 1), target.flatten())
         assert torch.equal(loss, want), (step, loss, want)
-        loss.backward()
-        want.backward()
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
+        step_pair(loss, want, opt, opt_ref)
         for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
             if p.requires_grad:
                 assert torch.equal(p, q), (step, n)

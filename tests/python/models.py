@@ -91,6 +91,17 @@ def make_decoder(seed: int = 0, **kw) -> TinyDecoder:
     return m.eval()
 
 
+def step_pair(loss, want, opt, opt_ref) -> None:
+    """One training step of a model and of its reference: both backwards, both optimizer
+    steps, both gradients cleared."""
+    loss.backward()
+    want.backward()
+    opt.step()
+    opt_ref.step()
+    opt.zero_grad()
+    opt_ref.zero_grad()
+
+
 def sync_reference(ref: nn.Module, master: nn.Module, *opts) -> None:
     """After a step of a reference whose optimizer runs on a host master copy: the master's
     parameters copied into the device model ref, and the gradients of opts and ref cleared."""

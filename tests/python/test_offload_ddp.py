@@ -22,7 +22,7 @@ from torch import nn
 
 import spillway.errors
 import spillway.torch as spt
-from models import moved
+from models import moved, step_pair
 
 WORLD = 2
 STEPS = 5
@@ -136,12 +136,7 @@ def adapters(rank: int):
         loss = moved(off, lambda: ddp(x).square().mean())
         want = ddp_ref(x).square().mean()
         losses.append((loss.item(), want.item()))
-        loss.backward()
-        want.backward()
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
+        step_pair(loss, want, opt, opt_ref)
     out = dict(hidden=hidden, losses=losses, params=[p.detach().clone() for p in m.parameters()],
                ref=[p.detach().clone() for p in ref.parameters()])
     off.remove()
@@ -180,18 +175,24 @@ def ranks(tmp_path_factory):
     return out
 
 
+def assert_as_ddp(run, rank0) -> None:
+    """A rank's run bitwise equal to DDP's over the resident copy (every loss, the parameters
+    after the last step) and to rank 0's parameters."""
+    for loss, want in run["losses"]:
+        assert loss == want
+    for a, b in zip(run["params"], run["ref"]):
+        assert torch.equal(a, b)
+    for a, b in zip(run["params"], rank0["params"]):
+        assert torch.equal(a, b)
+
+
 def test_bitwise_equal_to_ddp(ranks):
     for r, res in enumerate(ranks):
         e = res["exact"]
         for a, b in zip(e["first"], ranks[0]["exact"]["first"]):  # rank 0's weights everywhere
             assert torch.equal(a, b)
         assert stack(1)[0].weight.ne(stack(0)[0].weight).any()  # they were not to begin with
-        for loss, want in e["losses"]:
-            assert loss == want
-        for a, b in zip(e["params"], e["ref"]):
-            assert torch.equal(a, b)
-        for a, b in zip(e["params"], ranks[0]["exact"]["params"]):
-            assert torch.equal(a, b)
+        assert_as_ddp(e, ranks[0]["exact"])
         for a, b in zip(e["params"], e["first"]):
             assert not torch.equal(a, b)
         s = e["stats"]
@@ -238,10 +239,5 @@ def test_ddp_wraps_adapters_on_an_offloaded_base(ranks):
     for res in ranks:
         a = res["adapters"]
         assert a["hidden"] == sorted(f"{i}.base.{w}" for i in range(8) for w in ("weight", "bias"))
-        for loss, want in a["losses"]:
-            assert loss == want
-        for p, q in zip(a["params"], a["ref"]):
-            assert torch.equal(p, q)
-        for p, q in zip(a["params"], ranks[0]["adapters"]["params"]):
-            assert torch.equal(p, q)
+        assert_as_ddp(a, ranks[0]["adapters"])
         assert not a["after_remove"]

@@ -15,7 +15,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import fail_at_call, make_decoder, moved, offloaded_bytes
+from models import fail_at_call, make_decoder, moved, offloaded_bytes, step_pair
 
 EMU = dict(backend="emu")
 STEPS = 5
@@ -580,12 +580,7 @@ def test_train_on_device_auto_leaves_the_streamed_units_their_room():
         loss = m(x).square().mean()
         want = ref(x).square().mean()
         assert torch.equal(loss, want)
-        loss.backward()
-        want.backward()
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
+        step_pair(loss, want, opt, opt_ref)
     assert_params_equal(m, ref)
     off.remove()
 
