@@ -103,7 +103,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     """
     if not isinstance(module, nn.Module):
         if optimizer is not None or (process_group is not None and process_group != "auto"):
-            raise InvalidArgument("offload: optimizer= trains one nn.Module; offload the trained module on its own")
+            raise InvalidArgument("offload: optimizer= trains one nn.Module (so does process_group=); offload the "
+                                  "trained module on its own")
         return offload_all(module, budget=budget, policy=policy, device=device, trace=trace,
                            offload_trainable=offload_trainable, **options)
     block_list = None if blocks is None else list(blocks)

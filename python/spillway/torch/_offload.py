@@ -770,10 +770,10 @@ class Offload:
         if self._depth or self._acquired:
             raise StateError("spillway.torch: refresh_weights() during a forward of the offloaded module")
         self._flush()
+        self._edits.stale()  # a .data replaced is copied into its pack first (another shape: an error, nothing dropped)
         units = [u for u in self.units if not u.trains]
         _edits.evict(units)
         self.edit_evictions += len(units)
-        self._edits.stale()  # a .data replaced is copied into its pack too
 
     def _end_open_step(self) -> None:
         """End the step a forward left open (activations kept in the budget)."""

@@ -176,7 +176,9 @@ def hide_offloaded(module: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> 
              if t is not None and id(t) in ids]
     had = _IGNORE in module.__dict__
     before = module.__dict__.get(_IGNORE)
-    setattr(module, _IGNORE, list(before or ()) + [n for n in names if n not in set(before or ())])
+    old = list(before or ())
+    known = set(old)
+    setattr(module, _IGNORE, old + [n for n in names if n not in known])
     return had, before
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from ..core import format_size
+from . import _train
 
 
 def _median_us(hist: List[int]) -> float:
@@ -112,7 +113,7 @@ def summary(off: Any) -> str:
         f"{format_size(s['live']['current'])} on the device",
     ]
     if off.optimizer is not None:
-        trained = [e for u in off.units if u.trains for e in u.entries if not e.is_buffer and e.tensor.requires_grad]
+        trained = _train.offloaded_trained(off)
         nb = sum(e.nbytes for e in trained)
         lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
                      f"{type(off.optimizer).__name__} (gradients and its state in host memory), "

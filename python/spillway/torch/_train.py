@@ -16,7 +16,7 @@ from torch import nn
 from .. import _lib
 from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
 from ..errors import ConfigError, InvalidArgument, StateError, error_for
-from . import _methods, _overlap
+from . import _edits, _methods, _overlap
 from ._units import _Unit
 
 _lib_c = _lib.lib
@@ -135,11 +135,15 @@ class ToHost(torch.autograd.Function):
         return None, None, None
 
 
+def offloaded_trained(off: Any) -> List[Any]:
+    """The entries of the parameters off trains on the host (offloaded), in the units' order."""
+    return [e for u in off.units if u.trains for e in u.entries if not e.is_buffer and e.tensor.requires_grad]
+
+
 def trained_tensors(off: Any) -> List[torch.Tensor]:
     """The parameters off trains: the offloaded ones (host Parameters), in the units' order,
     then those trained on the device."""
-    out = [e.tensor for u in off.units if u.trains for e in u.entries if not e.is_buffer and e.tensor.requires_grad]
-    return out + [p for _, p in off._trainable]
+    return [e.tensor for e in offloaded_trained(off)] + [p for _, p in off._trainable]
 
 
 def to_host(off: Any, opt: torch.optim.Optimizer) -> None:
@@ -315,13 +319,9 @@ def refresh(off: Any, done: Optional[set] = None) -> None:
             u = pu.get(id(p))
             if u is not None:
                 units[u.index] = u
-    for u in units.values():
-        if done and u.index in done:
-            continue
-        st = _lib_c.spw_evict(u.handle)
-        if st:
-            raise error_for(st)
-        off.step_evictions += 1
+    stale = [u for u in units.values() if not (done and u.index in done)]
+    _edits.evict(stale)
+    off.step_evictions += len(stale)
 
 
 def _renew(off: Any, u: _Unit) -> None:
