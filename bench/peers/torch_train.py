@@ -54,6 +54,12 @@ Variants, one process each (this file with --child)
                    update also computed during the backward
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
                    optimizer=opt) without a budget: one budget over everything on the device
+  spillway-c-recompute  spillway-c with offload(recompute=True): spillway recomputes the
+                   decoder layers in the backward (instead of transformers' checkpointing)
+  spillway-c-recompute-overlap  the same with overlap_update=True
+  spillway-alloc-recompute  spillway-alloc with recompute="auto" and AdamW(fused=True): the
+                   training state kept whole on the device when it fits beside the recomputed
+                   layers, as few layers recomputed as the budget needs
 Each spillway variant runs once per --budget; the peers run uncapped and say which budgets
 their peak fits. hostopt and fsdp* need CUDA (and FSDP2, torch >= 2.6): elsewhere they report
 "unavailable", which is no failure.
@@ -121,11 +127,16 @@ if (ROOT / "python" / "spillway").is_dir():
 
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
             "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
-            "spillway-c-ckpt-overlap-backward", "spillway-alloc"]
+            "spillway-c-ckpt-overlap-backward", "spillway-alloc", "spillway-c-recompute",
+            "spillway-c-recompute-overlap", "spillway-alloc-recompute"]
 CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt", "spillway-c-ckpt-overlap",
                 "spillway-c-ckpt-overlap-backward"}  # gradient_checkpointing_enable
 C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
-          "spillway-c-ckpt-overlap-backward"}  # host_update="spillway"
+          "spillway-c-ckpt-overlap-backward", "spillway-c-recompute",
+          "spillway-c-recompute-overlap"}  # host_update="spillway"
+RECOMPUTED = {"spillway-c-recompute": True, "spillway-c-recompute-overlap": True,
+              "spillway-alloc-recompute": "auto"}  # offload(recompute=...)
+ALLOC = {"spillway-alloc", "spillway-alloc-recompute"}  # inside use_allocator(budget=B)
 SHAPES = {
     "1.1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000, batch=4, seq=1024, lora=False),
     "3b": dict(hidden=3072, inter=8192, layers=28, heads=24, kv=8, vocab=32000, batch=4, seq=1024, lora=False),
@@ -474,7 +485,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
         import spillway.torch as spt
     stack = contextlib.ExitStack()
     alloc = None
-    if name == "spillway-alloc":  # before the first CUDA allocation: the model is drawn inside it too
+    if name in ALLOC:  # before the first CUDA allocation: the model is drawn inside it too
         alloc = stack.enter_context(spt.use_allocator(budget=budget, **({} if cuda else dict(backend="emu"))))
     with stack:
         phase[0] = "build"
@@ -499,22 +510,25 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
             opt = None
             note = f"CPU AdamW {host.impl} per parameter"
         elif spw:
-            opt = adamw(trained, "default")
+            opt = adamw(trained, "cuda" if name == "spillway-alloc-recompute" and cuda else "default")
             kw: Dict[str, Any] = {} if cuda else dict(backend="emu")
             kw["host_update"] = "spillway" if name in C_STEP else "torch"
             if name.endswith("-overlap"):
                 kw["overlap_update"] = True
             elif name.endswith("-overlap-backward"):
                 kw["overlap_update"] = "backward"
-            if name != "spillway-alloc":
+            if name not in ALLOC:
                 kw["budget"] = budget
+            if name in RECOMPUTED:
+                kw["recompute"] = RECOMPUTED[name]
             kw["train_on_device"] = "auto" if args.train_on_device == "auto" else float(args.train_on_device)
             off = spt.offload(model, optimizer=opt, **kw)
             on_dev = off.stats()["offload"]["resident_trainable_bytes"]
             r.update(units=len(off.units), spillway_budget=off.context.stats()["budget"],
                      budget_source=off.budget_source, trained_on_device=on_dev)
             names = sorted(off.units, key=lambda u: u.index)
-            note = (f"{len(off.units)} units ('{names[0].name}'{', ...' if len(names) > 1 else ''}), budget "
+            note = (f"{len(off.units)} units" + (f" ('{names[0].name}'{', ...' if len(names) > 1 else ''})"
+                                                 if names else "") + ", budget "
                     f"{size_str(off.context.stats()['budget'])} ({off.budget_source}); trained on the device "
                     f"{size_str(on_dev)} of {size_str(r['trained_bytes'])} (train_on_device={args.train_on_device})")
         else:

@@ -14,7 +14,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
             host_update: str = "spillway", overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
-            process_group: Any = "auto", **options: Any) -> Any:
+            process_group: Any = "auto", recompute: Any = False, **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -89,10 +89,25 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     never. Do not wrap the offloaded model in DistributedDataParallel (its reducer never sees an
     offloaded parameter's gradient): a forward inside one raises ConfigError. Every rank must
     run the same forward and backward, as under DistributedDataParallel.
+    recompute: recompute blocks' activations in the backward instead of keeping them (the
+    children of the model's ModuleLists that hold parameters: a transformer's layers, a UNet's
+    down and up blocks): a block's forward under grad runs inside torch.utils.checkpoint
+    (non-reentrant), which costs about one more forward of it in the backward and keeps none of
+    its activations. False (default): none. True: every block. "auto": as few as keep the step
+    under the device limit (use_allocator's budget; else the device memory free at offload()
+    with what PyTorch held then), learnt over the first steps: the first recomputes every block
+    and measures, the next few keep the activations of as many blocks as the peak leaves room
+    for (they reset the peak memory statistics at each step), then the choice holds. On the
+    emulated backend "auto" recomputes every block. With recompute on, train_on_device="auto"
+    keeps every trainable parameter on the device when they take at most 92% of the budget
+    with their gradients and state. Results are those of no recomputation (PyTorch's
+    checkpoint restores the random state). A model that recomputes its own layers
+    (gradient_checkpointing_enable) is left to it: "auto" does nothing, True is a ConfigError.
     activations: keep the tensors autograd saves for backward (of 1 MiB or more, not parameters)
     in buffers of the offload's context, under its budget: on the device while they fit,
     written back to pinned host memory when the room is needed, uploaded again when backward
-    reads them. Default: on with optimizer=, off otherwise. Hooks pushed before the forward
+    reads them. Default: on with optimizer= unless recompute is on (recomputing is the other way
+    to leave them off the device), off otherwise. Hooks pushed before the forward
     (torch.utils.checkpoint, save_on_cpu) keep the tensors they are given.
     trace: write a Chrome trace of copies and evictions to this file.
     options: other spillway options (backend="auto"|"cuda"|"emu", prefetch="on", ...); an
@@ -116,8 +131,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
         raise ConfigError("offload: overlap_update overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "
                           + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
-    stash = activations if activations is not None else optimizer is not None
+    stash = activations if activations is not None else optimizer is not None and not recompute
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
                           optimizer=optimizer, activations=bool(stash), host_update=host_update,
                           overlap_update=overlap_update, train_on_device=train_on_device,
-                          process_group=process_group)
+                          process_group=process_group, recompute=recompute)

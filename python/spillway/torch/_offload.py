@@ -87,7 +87,7 @@ from .. import _lib
 from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _ahead, _alloc, _edits, _overlap, _parallel, _patch, _report, _setup, _train, _views
+from . import _ahead, _alloc, _edits, _overlap, _parallel, _patch, _recompute, _report, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._errors import OutOfMemoryError
@@ -135,10 +135,12 @@ class Offload:
                context: Optional[Context] = None, optimizer: Any = None,
                activations: bool = False, host_update: str = "spillway",
                overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
-               process_group: Any = "auto") -> "Offload":
+               process_group: Any = "auto", recompute: Any = False) -> "Offload":
         self = object.__new__(cls)
         self._closed = True
+        self._recompute: Optional[_recompute.Recompute] = None
         _setup.check_new(module)
+        recompute = _recompute.resolve(recompute, module)
         # the ranks over which training averages its gradients (_parallel), or None
         self._average = _parallel.resolve(process_group, optimizer is not None)
         self._ddp_hidden: Any = None  # what _parallel.hide_offloaded changed, for remove()
@@ -165,7 +167,7 @@ class Offload:
         # ---- the units (nothing moves yet) and the room a forward needs ----
         self._given_blocks = blocks is not None
         lay = _setup.layout(module, blocks, names, trainable, kept, optimizer, train_on_device, budget_v,
-                            shared is not None, ctx_opts, activations)
+                            shared is not None, ctx_opts, activations, recompute)
         kept, units, needs, hooked = lay.kept, lay.units, lay.needs, lay.hooked
         self.min_budget, budget_v, ctx_opts = lay.min_budget, lay.budget, lay.ctx_opts
         self.device_trained_bytes = lay.device_trained
@@ -277,6 +279,8 @@ class Offload:
                 self._average.watch(p for _, p in self._trainable)
                 self._landing.average = self._average
             self._install(module, hooked)
+            if recompute:
+                self._recompute = _recompute.install(self, recompute, budget_v if shared is not None else None)
             self._ddp_hidden = _parallel.hide_offloaded(module, (e.tensor for u in units for e in u.entries
                                                                  if not (e.tensor.requires_grad and self._train)))
             if self._train:
@@ -709,6 +713,8 @@ class Offload:
         try:
             if self._train and torch.is_grad_enabled():
                 _parallel.check_not_wrapped(self.module)
+            elif self._recompute is not None and torch.is_grad_enabled():
+                self._recompute.forward_began()
             self._drop_edited()
         except BaseException:
             self._depth = 0

@@ -61,6 +61,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         # data parallel (_parallel): ranks the gradients are averaged over (1: none), collectives made
         "data_parallel_ranks": off._average.world if off._average is not None else 1,
         "gradient_reductions": off._average.reductions if off._average is not None else 0,
+        # recompute=: blocks run recomputed in the backward / keeping their activations
+        "blocks_recomputed": off._recompute.recomputed if off._recompute is not None else 0,
+        "blocks_kept": off._recompute.kept if off._recompute is not None else 0,
     }
 
 
@@ -104,9 +107,10 @@ def summary(off: Any) -> str:
     lines = [
         f"spillway.torch offload of {type(off.module).__name__} ({off.backend}, device {off.device}, "
         f"policy {off.context.options.get('policy')})",
-        f"  offloaded         {format_size(total)} in {_plural(len(off.units), 'unit')} "
-        f"(largest '{max(off.units, key=lambda u: u.nbytes).name}', "
-        f"{format_size(max(u.nbytes for u in off.units))})",
+        (f"  offloaded         {format_size(total)} in {_plural(len(off.units), 'unit')} "
+         f"(largest '{max(off.units, key=lambda u: u.nbytes).name}', "
+         f"{format_size(max(u.nbytes for u in off.units))})" if off.units else
+         "  offloaded         nothing: every parameter is trained on the device"),
         f"  partition         {_partition_text(off)}",
         f"  budget            {format_size(s['budget'])}  ({_budget_text(off)})",
         f"  resident units    {s['buffers_resident']['current']} now, "
@@ -127,6 +131,12 @@ def summary(off: Any) -> str:
             a = off._ahead
             lines.append(f"  updates ahead     {a.kept} parameter updates computed during the backward and kept, "
                          f"{a.dropped} computed again in the step")
+    if off._recompute is not None:
+        r = off._recompute
+        how = ("every block" if r.limit is None else
+               f"as few blocks as keep the step under {format_size(r.limit)}, learnt over the first steps")
+        lines.append(f"  recompute         {r.mode!r}: {how}; {r.recomputed} block forwards recomputed in the "
+                     f"backward, {r.kept} kept their activations")
     if off._stash_min is not None:
         lines.append(f"  activations       {off.activations_stashed} saved for backward kept in the budget, "
                      f"{format_size(off.activation_bytes)} in all (tensors of {format_size(off._stash_min)} or more)")

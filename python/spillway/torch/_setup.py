@@ -85,10 +85,12 @@ def state_factor(optimizer: Any) -> int:
     for what the step allocates while it runs (torch's multi-tensor step on a GPU makes
     temporaries the size of the gradients)."""
     groups = optimizer.param_groups
+    # torch's fused and single-tensor steps make no temporaries the size of the gradients
+    temps = 0 if all(g.get("fused") or g.get("foreach") is False for g in groups) else 1
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 5 + any(g.get("amsgrad", False) for g in groups)
+        return 4 + temps + any(g.get("amsgrad", False) for g in groups)
     if isinstance(optimizer, torch.optim.SGD):
-        return 3 + any(g.get("momentum", 0) for g in groups)
+        return 2 + temps + any(g.get("momentum", 0) for g in groups)
     return 5
 
 
@@ -97,18 +99,22 @@ def _nbytes_of(params: Dict[int, Tuple[str, torch.Tensor]]) -> int:
 
 
 def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any, share: Any,
-                      budget: int) -> Dict[int, Tuple[str, torch.Tensor]]:
+                      budget: int, recompute: Any = False) -> Dict[int, Tuple[str, torch.Tensor]]:
     """The trainable parameters offload(optimizer=) keeps on the device, with their gradients and
     the optimizer's state, updated there by the optimizer's own step: the first ones in the
     module's order (the forward's, as a rule: its first blocks are then ready first after a
     step; leading ones too large for the share, such as a large vocabulary's embedding, are
     passed over), up to `share` of the trained bytes (a float in [0, 1]) or, for "auto", as many as
-    take at most AUTO_SHARE of the budget with their gradients and state."""
+    take at most AUTO_SHARE of the budget with their gradients and state. With recompute on,
+    "auto" keeps every one of them when they take at most RECOMPUTE_SHARE of the budget so
+    (nothing is then offloaded: the offload recomputes and keeps the step under the budget)."""
     if isinstance(share, bool) or not (share == "auto" or isinstance(share, (int, float))):
         raise ConfigError(f"offload: train_on_device must be 'auto' or a fraction in [0, 1], got {share!r}")
     if share != "auto" and not 0 <= share <= 1:
         raise ConfigError(f"offload: train_on_device = {share!r} is not a fraction in [0, 1]")
     factor = state_factor(optimizer)
+    if share == "auto" and recompute and _nbytes_of(grads) * factor <= budget * RECOMPUTE_SHARE:
+        return dict(grads)
     cap = _nbytes_of(grads) * share if share != "auto" else budget * AUTO_SHARE / factor
     kept: Dict[int, Tuple[str, torch.Tensor]] = {}
     used = 0
@@ -130,6 +136,10 @@ def trained_on_device(grads: Dict[int, Tuple[str, torch.Tensor]], optimizer: Any
 # for backward. Also with recomputed activations (gradient checkpointing) the streamed units need
 # that room: each is used in the forward and again in the recomputation (bench/RESULTS.md).
 AUTO_SHARE = 0.7
+# With the blocks recomputed, what is left beside the training state is the blocks' inputs, the
+# head's activations and one block's recomputation: the state may take this share and stay whole
+# on the device (bench/RESULTS.md: the 1.1B model's step at 18 GiB).
+RECOMPUTE_SHARE = 0.92
 
 
 class Layout(NamedTuple):
@@ -147,14 +157,14 @@ class Layout(NamedTuple):
 def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict[int, str],
            grads: Dict[int, Tuple[str, torch.Tensor]], kept: Dict[int, Tuple[str, torch.Tensor]],
            optimizer: Any, train_on_device: Any, budget: int, shared: bool, ctx_opts: Dict[str, Any],
-           activations: bool) -> Layout:
+           activations: bool, recompute: Any = False) -> Layout:
     """The units and the room they need for a budget; with optimizer=, first which trainable
     parameters are trained on the device (trained_on_device), whose bytes, gradients and state
     the budget then gives up in whole arena pages (under a shared context they are its
     allocations already). Where "auto" keeps so many that the units have no room, it keeps half
     as many bytes, and so on; an explicit share that leaves no room is a ConfigError."""
     if optimizer is not None:
-        kept = trained_on_device(grads, optimizer, train_on_device, budget)
+        kept = trained_on_device(grads, optimizer, train_on_device, budget, recompute)
     while True:
         cost = _nbytes_of(kept) * state_factor(optimizer) if optimizer is not None else 0
         paged = -(-cost // _ARENA_PAGE) * _ARENA_PAGE
@@ -168,7 +178,10 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                     f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget)}) or more; "
                     "lower it")
             streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
-            made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed)
+            made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed,
+                                        training=optimizer is not None)
+            if not made:  # every parameter trained on the device: nothing streams
+                return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
             page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
             need = check_room(module, made, needs, names, page, ctx_budget)
             return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost)
@@ -185,18 +198,19 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
 
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
-          grads: Dict[int, Any], names: Dict[int, str], budget: int,
-          streamed: int) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+          grads: Dict[int, Any], names: Dict[int, str], budget: int, streamed: int,
+          training: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """(units, id(module) -> the units its hook acquires, the hooked modules): blocks=[...] as
     given, else the partition of the module tree for the budget (_partition.py), of which
-    `streamed` bytes of trained weights cross the link every step."""
+    `streamed` bytes of trained weights cross the link every step. Training (optimizer=) may
+    leave nothing to offload: every parameter trained on the device."""
     if blocks is not None:
         groups = [[b] for b in blocks]
     else:
         lo, hi = _partition.bounds(budget, streamed)
         groups = _partition.partition(module, set(kept), lo, hi)
     out = _plan_units(module, groups, set(kept), names)
-    if not out[0]:
+    if not out[0] and not (training and len(kept) == len(grads)):
         raise InvalidArgument(
             f"offload: nothing to offload: all {len(grads)} parameters of {type(module).__name__} require "
             "grad, and trainable parameters stay resident. Freeze the weights first "

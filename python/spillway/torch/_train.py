@@ -229,6 +229,8 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off, done)
             off.optimizer_steps += 1
+            if off._recompute is not None:
+                off._recompute.step_done()
             off._end_open_step()  # forward, backward and this step were one plan step
 
     for attr in ("__doc__", "__name__", "__qualname__"):
