@@ -31,50 +31,6 @@ def recomputed(layer: torch.nn.Module, inner, *args, **kwargs):
     return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 
-class Auto:
-    """Recompute a layer when keeping its activations would pass the forward's limit F: the
-    device's allocated bytes before it plus its activations (the largest seen: a kept layer's
-    growth, or a recomputed one's in the backward). Step 1 recomputes all; after each step F
-    moves by what the step's peak left of the budget less a margin (the peak grows at most as
-    fast as F)."""
-
-    def __init__(self, limit: int, margin: float) -> None:
-        self.limit, self.margin = limit, margin
-        self.F = None  # no limit learnt: recompute everything
-        self.act = 0
-        self.in_forward = False
-        self.kept = 0
-
-    def call(self, layer, inner, *args, **kwargs):
-        if not layer.training or not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        u = torch.cuda.memory_allocated()
-        if self.F is not None and self.act and u + self.act <= self.F:
-            self.kept += 1
-            out = inner(*args, **kwargs)
-            self.act = max(self.act, torch.cuda.memory_allocated() - u)
-            return out
-
-        def measured(*a, **k):
-            if self.in_forward:
-                return inner(*a, **k)
-            before = torch.cuda.memory_allocated()
-            out = inner(*a, **k)
-            self.act = max(self.act, torch.cuda.memory_allocated() - before)
-            return out
-        self.in_forward = True
-        try:
-            return checkpoint(measured, *args, use_reentrant=False, **kwargs)
-        finally:
-            self.in_forward = False
-
-    def step_done(self, fwd_end: int, peak: int) -> None:
-        slack = self.limit * (1 - self.margin) - peak
-        base = fwd_end if self.F is None else self.F
-        self.F = base + slack
-        self.kept = 0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="1.1b")
@@ -83,8 +39,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--where", default="first", choices=["first", "last"])
     ap.add_argument("--alloc", default=None, help="run under spillway.torch.use_allocator(budget=ALLOC)")
-    ap.add_argument("--auto", action="store_true", help="with --alloc: the learnt choice (Auto) instead of --ks")
-    ap.add_argument("--margin", type=float, default=0.03)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     shape = tt.SHAPES[args.model]
@@ -96,29 +50,6 @@ def main() -> None:
     inner = [layer.forward for layer in layers]
     opt = tt.adamw([p for p in model.parameters() if p.requires_grad], "cuda")
     ids = tt.batches(shape, 1)[0].to(dev)
-    if args.auto:
-        auto = Auto(tt.parse_size(args.alloc), args.margin)
-        for i, layer in enumerate(layers):
-            layer.forward = functools.partial(auto.call, layer, inner[i])
-        for step in range(args.steps):
-            spt.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = tt.loss_of(model, ids)
-            fwd_end = torch.cuda.memory_allocated()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3
-            peak = spt.max_memory_reserved()
-            kept = auto.kept
-            print(f"auto step {step}: {ms:7.1f} ms, kept {kept} of {len(layers)}, act {auto.act / GiB:.3f} GiB, "
-                  f"F {(auto.F or 0) / GiB:.2f}, forward end {fwd_end / GiB:.2f}, held peak {peak / GiB:.2f} GiB, "
-                  f"loss {loss.item():.5f}", flush=True)
-            auto.step_done(fwd_end, peak)
-        return
     for k in (int(x) for x in args.ks.split(",")):
         chosen = set(range(k)) if args.where == "first" else set(range(len(layers) - k, len(layers)))
         for i, layer in enumerate(layers):

@@ -25,7 +25,6 @@ class Blocks(nn.Module):
         torch.manual_seed(seed)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8))
         self.head = nn.Linear(512, 4)
-        self.calls = 0
 
     def forward(self, x):
         for b in self.blocks:

@@ -116,12 +116,6 @@ _HIST_LAST = _HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
 
 
-def _copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
-    """The forward of a deep copy of an offloaded module: its class's, on the copy's own tensors
-    (copies of the host views), with nothing acquired."""
-    return type(mod).forward(mod, *args, **kwargs)
-
-
 class Offload:
     """Handle returned by offload(): statistics, explicit steps, and remove()."""
 
@@ -310,7 +304,7 @@ class Offload:
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if mod is not module:
-                return _copied_forward(mod, args, kwargs)
+                return _patch.copied_forward(mod, args, kwargs)
             if off._closed:
                 return inner(*args, **kwargs)
             return off._top_forward(inner, args, kwargs)
@@ -553,7 +547,7 @@ class Offload:
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if mod is not module:
-                return _copied_forward(mod, args, kwargs)
+                return _patch.copied_forward(mod, args, kwargs)
             t0 = clock()
             u = one
             if u is None or u.refs or not self._depth:

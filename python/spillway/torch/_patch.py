@@ -68,6 +68,12 @@ def guard_conversions(off: Any, module: nn.Module) -> None:
     _methods.install(off, module, "_apply", _apply)
 
 
+def copied_forward(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+    """The forward of a deep copy of a module whose forward an offload wrapped: its class's, on
+    the copy's own tensors (copies of the host views), with nothing acquired or recomputed."""
+    return type(mod).forward(mod, *args, **kwargs)
+
+
 def wrap_forward(off: Any, m: nn.Module, forward: Any) -> None:
     """Make forward(m, ...) m's forward: an instance attribute, functools.partial(forward, m),
     as accelerate's hooks are. The partial holds the module, so a deep copy of it holds the

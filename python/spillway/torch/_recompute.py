@@ -20,7 +20,9 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from .. import _lib
+from ..errors import ConfigError, check
+from . import _alloc, _patch
 
 # Steps over which recompute="auto" moves its limit; it holds still after them (the peak
 # statistics it resets are the user's again).
@@ -72,7 +74,7 @@ class Recompute:
                  read_peak: Callable[[], int], used: Optional[Callable[[], int]] = None) -> None:
         self.mode = mode
         self.device = device
-        self.limit = limit if mode == "auto" and device.type == "cuda" else None  # None: recompute every block
+        self.limit = limit  # "auto"'s device limit; None: recompute every block
         self._reset_peak, self._read_peak = reset_peak, read_peak
         if used is not None:
             self._allocated = used  # type: ignore[method-assign]
@@ -84,7 +86,6 @@ class Recompute:
         self.recomputed = 0  # blocks run recomputed, over the offload's life
         self.kept = 0  # blocks run keeping their activations
         self.last_kept = 0  # in the last step
-        self.last_peak = 0
         self._began = False
         if self.limit is not None:
             self._reset_peak()
@@ -108,8 +109,10 @@ class Recompute:
                 self.activation = max(self.activation, self._allocated() - before)
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if mod is not block or not torch.is_grad_enabled():
-                return inner(*args, **kwargs) if mod is block else type(mod).forward(mod, *args, **kwargs)
+            if mod is not block:
+                return _patch.copied_forward(mod, args, kwargs)
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
             if measure:
                 used = self._allocated()
                 f = self.forward_limit
@@ -141,14 +144,13 @@ class Recompute:
         self._began = True
 
     def step_done(self) -> None:
-        """After an optimizer step: while learning, move F by what the step's peak left of the
-        limit, and start the next step's peak."""
+        """After an optimizer step: while learning, set F from where the step's forward ended and
+        what its peak left of the limit, and start the next step's peak."""
         self.steps += 1
         if self.limit is None or self.steps > LEARN_STEPS:
             self.last_kept = 0
             return
         peak = self._read_peak()
-        self.last_peak = peak
         # the step's peak stood peak - forward_end above where its forward ended: the next
         # forward may end that much below the limit less the margin
         self.forward_limit = self.forward_end + self.limit * (1 - MARGIN) - peak
@@ -156,56 +158,43 @@ class Recompute:
         if self.steps < LEARN_STEPS:
             self._reset_peak()
 
-    def stats(self) -> dict:
-        return {"mode": self.mode, "recomputed": self.recomputed, "kept": self.kept,
-                "forward_limit": int(self.forward_limit) if self.forward_limit is not None else None,
-                "limit": self.limit, "activation_bytes": self.activation}
-
 
 def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recompute]:
     """Wrap the forward of each block of off.module (blocks()) for recomputation, outside the
     offload's own wrapper (the recomputation acquires a block's units again). The device limit
-    of "auto": shared_budget under use_allocator (its context's held bytes, PyTorch's among
-    them, are what it keeps under); otherwise the device's free memory now with what PyTorch
-    and the offload's context hold (the peak read is both of theirs). None when there is no
-    block to recompute."""
-    from .. import _lib
-    from ..errors import check
-    from . import _alloc, _patch
-
+    of "auto" on CUDA: shared_budget under use_allocator (its context's held bytes, PyTorch's
+    cached blocks among them, are what it keeps under: activations kept in new sizes take new
+    segments beside the cached ones); otherwise the device's free memory now with what PyTorch
+    and the offload's context hold (the bytes in use and the peak read are both of theirs).
+    None when there is no block to recompute."""
     found = blocks(off.module)
     if not found:
         return None
     dev, ctx = off.device, off.context
     index = dev.index if dev.index is not None else 0
 
-    def held_peak() -> int:
-        return int(ctx.stats()["held"]["peak"])
+    def held(kind: str) -> int:
+        return int(ctx.stats()["held"][kind])
 
-    def reset_held() -> None:
-        check(_lib.lib.spw_stats_reset_peaks(ctx._live()))
-
+    limit: Optional[int] = None
+    reset: Callable[[], None] = lambda: None  # noqa: E731
+    read: Callable[[], int] = lambda: 0  # noqa: E731
     used: Optional[Callable[[], int]] = None
-    if dev.type != "cuda":
-        limit, reset, read = None, (lambda: None), (lambda: 0)
-    elif shared_budget is not None:
-        # use_allocator: what counts is what the context holds, PyTorch's cached blocks among it
-        # (keeping activations of new sizes takes new segments beside the cached ones)
-        limit, reset, read = shared_budget, (lambda: _alloc.reset_peak_memory_stats(dev)), held_peak
-        used = lambda: int(ctx.stats()["held"]["current"])  # noqa: E731
-    else:
-        free, _ = torch.cuda.mem_get_info(index)
-        limit = free + torch.cuda.memory_reserved(index) + int(ctx.stats()["held"]["current"])
+    if mode == "auto" and dev.type == "cuda":
+        if shared_budget is not None:
+            limit = shared_budget
+            reset = lambda: _alloc.reset_peak_memory_stats(dev)  # noqa: E731
+            read = lambda: _alloc.max_memory_reserved(dev)  # noqa: E731
+            used = lambda: _alloc.memory_reserved(dev)  # noqa: E731
+        else:
+            limit = torch.cuda.mem_get_info(index)[0] + torch.cuda.memory_reserved(index) + held("current")
 
-        def reset() -> None:
-            torch.cuda.reset_peak_memory_stats(index)
-            reset_held()
+            def reset() -> None:
+                torch.cuda.reset_peak_memory_stats(index)
+                check(_lib.lib.spw_stats_reset_peaks(ctx._live()))
 
-        def read() -> int:
-            return torch.cuda.max_memory_reserved(index) + held_peak()
-
-        def used() -> int:
-            return torch.cuda.memory_reserved(index) + int(ctx.stats()["held"]["current"])
+            read = lambda: torch.cuda.max_memory_reserved(index) + held("peak")  # noqa: E731
+            used = lambda: torch.cuda.memory_reserved(index) + held("current")  # noqa: E731
     rec = Recompute(mode, dev, limit, reset, read, used)
     for b in found:
         _patch.wrap_forward(off, b, rec.wrap(b, b.forward))
