@@ -365,19 +365,26 @@ class Context(_Closeable):
                 flat[name] = value
         return flat
 
+    def _counter(self, name: str) -> Any:
+        """One counter (current, peak, total), read without building the whole table: the
+        memory accessors below may be called per module of a forward."""
+        st = _lib.Stats()
+        check(lib.spw_stats_get(self._live(), ctypes.byref(st)))
+        return getattr(st, name)
+
     def memory_allocated(self) -> int:
         """Device bytes in live allocations and resident buffers (stat 'live')."""
-        return self.stats()["live"]["current"]
+        return int(self._counter("live").current)
 
     def max_memory_allocated(self) -> int:
-        return self.stats()["live"]["peak"]
+        return int(self._counter("live").peak)
 
     def memory_reserved(self) -> int:
         """Device bytes held from the backend (stat 'held'); never above the budget."""
-        return self.stats()["held"]["current"]
+        return int(self._counter("held").current)
 
     def max_memory_reserved(self) -> int:
-        return self.stats()["held"]["peak"]
+        return int(self._counter("held").peak)
 
     def summary(self) -> str:
         """The library's readable statistics table (spw_summary)."""

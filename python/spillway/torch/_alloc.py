@@ -633,11 +633,11 @@ def max_memory_allocated(device: Any = None) -> int:
 
 def memory_reserved(device: Any = None) -> int:
     """Device bytes spillway holds on device; never above the budget."""
-    return context(device).stats()["held"]["current"]
+    return context(device).memory_reserved()
 
 
 def max_memory_reserved(device: Any = None) -> int:
-    return context(device).stats()["held"]["peak"]
+    return context(device).max_memory_reserved()
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:

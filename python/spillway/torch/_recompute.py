@@ -15,6 +15,7 @@ allocated before it plus its activations stay under F. After LEARN_STEPS steps F
 no device limit can be read (the emulated backend), every block is recomputed."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -30,6 +31,22 @@ LEARN_STEPS = 4
 # Of the device limit, what recompute="auto" leaves free at the step's peak: the caching
 # allocator's rounding and the variation from step to step.
 MARGIN = 0.05
+
+
+def _checkpoint_function() -> Callable[..., Any]:
+    """torch.utils.checkpoint, non-reentrant, without its check that the recomputation saved
+    tensors of the same shapes as the forward (torch 2.1+: determinism_check): the blocks are
+    the model's own, and the check costs host time per saved tensor on every step."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+
+    if "determinism_check" in inspect.signature(checkpoint).parameters:
+        return functools.partial(checkpoint, use_reentrant=False, determinism_check="none")
+    return functools.partial(checkpoint, use_reentrant=False)
+
+
+_checkpoint = _checkpoint_function()
 
 
 def blocks(module: nn.Module) -> List[nn.Module]:
@@ -94,13 +111,15 @@ class Recompute:
         """The device bytes in use that the forward's limit is compared with."""
         return torch.cuda.memory_allocated(self.device)
 
-    def wrap(self, block: nn.Module, inner: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
+    def learning(self) -> bool:
+        """Whether this step still measures (the steps of "auto" up to LEARN_STEPS)."""
+        return self.limit is not None and self.steps < LEARN_STEPS
 
+    def wrap(self, block: nn.Module, inner: Any) -> Any:
         measure = self.limit is not None
 
         def measured(*args: Any, **kwargs: Any) -> Any:
-            if self.in_forward or not measure:
+            if self.in_forward or not self.learning():
                 return inner(*args, **kwargs)
             before = self._allocated()
             try:  # the recomputation stops early (an exception) once it has what backward needs
@@ -120,17 +139,18 @@ class Recompute:
                     self.kept += 1
                     self.last_kept += 1
                     out = inner(*args, **kwargs)
-                    after = self._allocated()
-                    self.activation = max(self.activation, after - used)
-                    self.forward_end = after
+                    if self.learning():
+                        after = self._allocated()
+                        self.activation = max(self.activation, after - used)
+                        self.forward_end = after
                     return out
             self.recomputed += 1
             self.in_forward += 1
             try:
-                out = checkpoint(measured, *args, use_reentrant=False, **kwargs)
+                out = _checkpoint(measured, *args, **kwargs)
             finally:
                 self.in_forward -= 1
-            if measure:
+            if self.learning():
                 self.forward_end = self._allocated()
             return out
 
@@ -173,9 +193,6 @@ def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recom
     dev, ctx = off.device, off.context
     index = dev.index if dev.index is not None else 0
 
-    def held(kind: str) -> int:
-        return int(ctx.stats()["held"][kind])
-
     limit: Optional[int] = None
     reset: Callable[[], None] = lambda: None  # noqa: E731
     read: Callable[[], int] = lambda: 0  # noqa: E731
@@ -187,14 +204,17 @@ def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recom
             read = lambda: _alloc.max_memory_reserved(dev)  # noqa: E731
             used = lambda: _alloc.memory_reserved(dev)  # noqa: E731
         else:
-            limit = torch.cuda.mem_get_info(index)[0] + torch.cuda.memory_reserved(index) + held("current")
+            free = torch.cuda.mem_get_info(index)[0]
+            limit = free + torch.cuda.memory_reserved(index) + ctx.memory_reserved()
 
             def reset() -> None:
                 torch.cuda.reset_peak_memory_stats(index)
                 check(_lib.lib.spw_stats_reset_peaks(ctx._live()))
 
-            read = lambda: torch.cuda.max_memory_reserved(index) + held("peak")  # noqa: E731
-            used = lambda: torch.cuda.memory_reserved(index) + held("current")  # noqa: E731
+            read = lambda: torch.cuda.max_memory_reserved(index) + ctx.max_memory_reserved()  # noqa: E731
+            # what PyTorch and the context hold now: the limit less the device's free memory (one
+            # driver call; torch.cuda.memory_reserved builds its whole table of statistics)
+            used = lambda: limit - torch.cuda.mem_get_info(index)[0]  # noqa: E731
     rec = Recompute(mode, dev, limit, reset, read, used)
     for b in found:
         _patch.wrap_forward(off, b, rec.wrap(b, b.forward))
