@@ -74,25 +74,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import operator
 import time
-import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _ahead, _alloc, _edits, _overlap, _parallel, _patch, _recompute, _report, _setup, _train, _views
-from ._budget import resolve_budget
-from ._device import _resolve_device
+from . import _alloc, _build, _edits, _parallel, _patch, _report, _train, _views
 from ._errors import OutOfMemoryError
 from ._saved import saving
-from ._units import _DevSet, _Unit, _columns, _param_owners, _storage_at
+from ._units import _DevSet, _Unit, _columns, _storage_at
 
 _lib_c = _lib.lib
 _READ = _lib.ACCESS_READ
@@ -108,11 +103,8 @@ _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 # unit every pass). A set costs empty tensors; a re-point costs a hook a storage and a Tensor.set_
 # per tensor (bench/RESULTS.md).
 _DEV_SETS = 32
-_STASH_MIN = 1 << 20  # activations below this stay PyTorch's: a buffer each would cost more than it saves
-# Host time per acquire is also counted in buckets of 1024 ns (the last one: that and more), so
-# that hook_stats() can give the median of the calls, which waits for room do not move.
-_HIST_BUCKETS = 4096
-_HIST_LAST = _HIST_BUCKETS - 1
+# The last of the buckets of 1024 ns that host time per acquire is counted in (_build.HIST_BUCKETS)
+_HIST_LAST = _build.HIST_BUCKETS - 1
 _HIST_NS = _HIST_LAST << 10
 
 
@@ -124,192 +116,9 @@ class Offload:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def _build(cls, module: nn.Module, budget: Any, policy: str, device: Any, blocks: Optional[Sequence[nn.Module]],
-               trace: Optional[str], offload_trainable: Optional[bool], options: Dict[str, Any],
-               context: Optional[Context] = None, optimizer: Any = None,
-               activations: bool = False, host_update: str = "spillway",
-               overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
-               process_group: Any = "auto", recompute: Any = False) -> "Offload":
-        self = object.__new__(cls)
-        self._closed = True
-        self._recompute: Optional[_recompute.Recompute] = None
-        _setup.check_new(module)
-        recompute = _recompute.resolve(recompute, module)
-        # the ranks over which training averages its gradients (_parallel), or None
-        self._average = _parallel.resolve(process_group, optimizer is not None)
-        self._ddp_hidden: Any = None  # what _parallel.hide_offloaded changed, for remove()
-        backend, dev = _resolve_device(options.pop("backend", "auto"), device)
-        self.module = module
-        self.device = dev
-        self.backend = backend
-
-        # ---- what is offloaded ----
-        params, names = _setup.check_module(module, blocks)
-        trainable, kept = _setup.trainable(module, params, optimizer, offload_trainable)
-
-        # ---- the budget: given, shared with use_allocator, or the device's free memory less a reserve ----
-        ctx_opts = dict(options)
-        if trace:
-            ctx_opts["trace"] = str(trace)
-        # Under use_allocator (or in a pipeline) the weights draw on one context of this device.
-        shared = context if context is not None else _alloc.shared_context(dev, backend)
-        resolved = resolve_budget(budget, backend, dev, (t for t in params + list(module.buffers()) if id(t) not in kept),
-                                  ctx_opts, shared)
-        budget_v = resolved.bytes
-        self.budget_source, self.reserve = resolved.source, resolved.reserve
-
-        # ---- the units (nothing moves yet) and the room a forward needs ----
-        self._given_blocks = blocks is not None
-        lay = _setup.layout(module, blocks, names, trainable, kept, optimizer, train_on_device, budget_v,
-                            shared is not None, ctx_opts, activations, recompute)
-        kept, units, needs, hooked = lay.kept, lay.units, lay.needs, lay.hooked
-        self.min_budget, budget_v, ctx_opts = lay.min_budget, lay.budget, lay.ctx_opts
-        self.device_trained_bytes = lay.device_trained
-        self._owns_context = shared is None
-        self.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
-        # the keyword options the context was created with (none under use_allocator's context)
-        self.context_options: Dict[str, Any] = {} if shared is not None else ctx_opts
-
-        self.units = units
-        self._needs = needs
-        # the trainable parameters that stay resident (optimizer=: those trained on the device)
-        self._trainable = list(kept.values())
-        self._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
-        # optimizer=: the trainable parameters are offloaded and their host Parameters (the views
-        # into the packs) are the master copy the optimizer updates on the host; its step is
-        # wrapped (_train.wrap_step) so that it ends by dropping the device copies it made stale.
-        self.optimizer = optimizer
-        # Activations saved for backward of at least this many bytes go to buffers of the
-        # context (_saved.stash); None: they stay PyTorch's.
-        self._stash_min: Optional[int] = _STASH_MIN if activations else None
-        self._stash_pool: Dict[int, Dict[int, Any]] = {}  # bytes -> {id: spare stash buffer} (_saved.stash)
-        self._stash_slots: List[Any] = []  # the buffer of the i-th activation stashed in the last step
-        self._stash_next = 0  # stashes so far in this step
-        self._open_step = False  # a step left open by a forward (see _top_forward)
-        self.host_update = host_update  # "spillway": opt's AdamW steps run in C where they can
-        # overlap_update: that C step runs beside the next forward (_overlap.py); _update is the
-        # one in flight, _update_pool the threads it runs on (made at the first).
-        # overlap_update "backward": the updates are also computed during the backward
-        # (_ahead.py), on the same pool.
-        self.overlap_update = overlap_update
-        self._update: Optional[_overlap.Update] = None
-        self._update_pool: Any = None
-        self._ahead: Optional[_ahead.Updates] = None
-        self.c_steps = 0
-        self.activations_stashed = 0
-        self.activation_bytes = 0
-        self._train = optimizer is not None
-        # gradients of the trained host Parameters on their way from the device (ToHost)
-        self._landing: Optional[_train.GradLanding] = _train.GradLanding(dev) if self._train else None
-        self._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
-        # Methods wrapped as instance attributes (opt.step, and with overlap_update the points that
-        # finish its update): (object, name, whether it had that attribute, it, ours), for remove()
-        self._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []
-        self.optimizer_steps = 0
-        self.step_evictions = 0  # device copies of units dropped after optimizer steps
-        self._edits: Optional[_edits.HostEdits] = None  # the offloaded weights, watched for edits between forwards
-        self.edit_evictions = 0  # device copies dropped because their host copies were edited
-        # Handles of the hooks on device tensors of offloaded trainable parameters: removed with the
-        # offload (a tensor that still holds a Python hook when the interpreter exits makes torch
-        # wait for the interpreter lock in its destructor, and the exit hangs).
-        self._grad_hooks: List[Any] = []
-        # (module, whether its forward was an instance attribute, that attribute): see _patch.wrap_forward
-        self._wrapped: List[Tuple[nn.Module, bool, Any]] = []
-        self._ctx_handle = self.context._handle
-        self._emu = backend == "emu"
-        self._acquired: Dict[int, _Unit] = {}  # devptr -> unit, for the saved-tensor lookup
-        self._explicit_steps = 0
-        self._depth = 0
-        self._saved_hooks: Optional[Any] = None
-        self._devptr = ctypes.c_void_p()
-        self._devptr_ref = ctypes.byref(self._devptr)
-        self._dev_index = self.device.index if self.device.index is not None else 0
-        # What the hot path calls, read from _lib_c here, at offload(), and from these attributes
-        # at each call: a stand-in set on _lib_c before offload() (bench/dev/hook_cost.py) or on
-        # them after (torch_offload.py's C-call profile) is what the wrappers call.
-        self._c_acquire = _lib_c.spw_acquire
-        self._c_release = _lib_c.spw_release
-        self._c_release_acquire = _lib_c.spw_release_acquire
-        # Inside the top-level forward a unit's C release waits for the next acquire and goes
-        # with it in one call (spw_release_acquire): one crossing and one lock a block, not two.
-        # The record of its last use lands a little later in stream order (later is safe). When
-        # the next acquire is of that same unit on the same stream (a run of small modules
-        # grouped into one unit), neither call is made: it stays acquired. The forward's end
-        # releases what is still pending, before its step ends.
-        self._pend: Optional[_Unit] = None
-        self._pend_stream: Optional[int] = None
-        self._c_sync = _lib_c.spw_stream_synchronize if self._emu else None
-        self._raw_stream = self._stream_function()
-        self.hook_ns = 0
-        self._hook_hist = [0] * _HIST_BUCKETS  # host time per hook call, 1024-ns buckets
-        self.acquires = 0
-        self.view_builds = 0
-        self.steps = 0
-        self.saved_packed = 0
-        self.saved_reacquires = 0
-        self.buffer_writebacks = 0
-        self.outputs_cloned = 0
-        self.final_stats: Optional[Dict[str, Any]] = None
-
-        # ---- move: pack and register each unit; undo everything on failure ----
-        try:
-            owners = _param_owners(module)
-            for u in units:
-                _views.pack(self, u, owners)
-            self._edits = _edits.HostEdits(units)
-            if self._train:
-                _train.to_host(self, optimizer)
-            if backend == "cuda":
-                for _, p in self._trainable:
-                    if p.device != dev:
-                        self._moved_trainable.append((p, p.device))
-                        p.data = p.data.to(dev)
-                        if p.grad is not None:
-                            p.grad = p.grad.to(dev)
-            if self._train:  # the optimizer's state of the parameters trained on the device goes with them
-                _train.move_state(optimizer, "param", {id(p) for _, p in self._trainable})
-            if self._average is not None:  # every rank starts from rank 0's weights, as under DDP
-                self._average.broadcast(_train.trained_tensors(self), dev)
-                self._average.watch(p for _, p in self._trainable)
-                self._landing.average = self._average
-            self._install(module, hooked)
-            if recompute:
-                self._recompute = _recompute.install(self, recompute, budget_v if shared is not None else None)
-            self._ddp_hidden = _parallel.hide_offloaded(module, (e.tensor for u in units for e in u.entries
-                                                                 if not (e.tensor.requires_grad and self._train)))
-            if self._train:
-                _train.wrap_step(self, optimizer)
-                if overlap_update:
-                    _train.wrap_sync_points(self, optimizer)
-                if overlap_update == "backward" and host_update == "spillway":
-                    self._update_pool = _overlap.new_pool()
-                    self._ahead = _ahead.Updates(optimizer, self._update_pool)
-                    self._landing.ahead = self._ahead
-        except BaseException:
-            _patch.undo(self)
-            raise
-        self._closed = False
-        _setup.ACTIVE[module] = weakref.ref(self)
-        return self
-
-    def _install(self, module: nn.Module, hooked: List[nn.Module]) -> None:
-        self._top_units = self._needs.get(id(module), [])
-        for m in hooked:
-            if m is not module:  # the top level acquires its own units inside its forward wrapper
-                _patch.wrap_forward(self, m, self._block_forward(m, m.forward, self._needs[id(m)]))
-        _patch.swap_device_property(self, module)
-        _patch.guard_conversions(self, module)
-        inner = module.forward
-        off = self  # held by the wrapper: an offload lives as long as its module's forward needs it
-
-        def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if mod is not module:
-                return _patch.copied_forward(mod, args, kwargs)
-            if off._closed:
-                return inner(*args, **kwargs)
-            return off._top_forward(inner, args, kwargs)
-
-        _patch.wrap_forward(self, module, forward)
+    def _build(cls, module: nn.Module, *args: Any, **kwargs: Any) -> "Offload":
+        """See _build.build (offload()'s arguments, in its order)."""
+        return _build.build(cls, module, *args, **kwargs)
 
     # ------------------------------------------------------------------ hot path
     # Each block costs its wrapper's acquire and release per forward, on the host, before its
