@@ -52,7 +52,7 @@ from torch import nn  # noqa: E402
 import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 from spillway import _lib  # noqa: E402
-from spillway.torch import _offload, _units  # noqa: E402
+from spillway.torch import _build, _device, _offload, _units  # noqa: E402
 
 MIB = 1 << 20
 _C_CALLS = ("spw_acquire", "spw_release", "spw_release_acquire", "spw_stream_synchronize", "spw_step_begin",
@@ -165,12 +165,12 @@ class NoSync:
 
 
 def run_one(a, model, x, ref, budget, policy, lib_c, wrapper_ns=0.0):
-    """Offload model with _offload._lib_c = lib_c, check the output after the warm-up and after
+    """Offload model with _build._lib_c = lib_c (what offload() binds its C calls from), check the output after the warm-up and after
     the timed passes, remove. Per pass: wall time, hook ns per acquire, and with Timers the C ns
     per acquire and the rest of the hooks' time in the same pass (less wrapper_ns a call); the
     medians over the passes are returned, so a pass the machine interrupted does not decide."""
-    real = _offload._lib_c
-    _offload._lib_c = lib_c
+    real = _build._lib_c
+    _build._lib_c = lib_c
     try:
         off = spt.offload(model, budget=budget, policy=policy, backend="cuda" if a.cuda else "emu")
         try:
@@ -219,14 +219,14 @@ def run_one(a, model, x, ref, budget, policy, lib_c, wrapper_ns=0.0):
         finally:
             off.remove()
     finally:
-        _offload._lib_c = real
+        _build._lib_c = real
 
 
 def direct(a, model, x, ref, lib_c, n):
     """ns per block of the first block's forward wrapper called directly n times (no
     forward, no torch dispatch), budget "all", after a warm-up pass; lib_c as in run_one."""
-    real = _offload._lib_c
-    _offload._lib_c = lib_c
+    real = _build._lib_c
+    _build._lib_c = lib_c
     try:
         off = spt.offload(model, budget=a.all_budget, policy="lru", backend="cuda" if a.cuda else "emu")
         try:
@@ -266,7 +266,7 @@ def direct(a, model, x, ref, lib_c, n):
         finally:
             off.remove()
     finally:
-        _offload._lib_c = real
+        _build._lib_c = real
 
 
 def wrapper_cost() -> float:
@@ -369,7 +369,7 @@ def main() -> None:
     # known before the model exists: under --alloc, use_allocator comes before any CUDA allocation
     block = (a.dim * a.dim + (a.dim if a.bias else 0)) * torch.empty(0, dtype=model_dtype(a)).element_size()
     whole = block * a.layers
-    page = _offload._ARENA_PAGE
+    page = _device._ARENA_PAGE
     a.all_budget = whole + whole // 8 + 2 * page
     budgets = {"all": a.all_budget,
                "tight": max(whole // 2 if a.cuda else whole // 4, -(-block // page) * page)}
