@@ -189,3 +189,8 @@ def test_a_model_that_recomputes_itself():
     off = spt.offload(m, budget="4MiB", recompute="auto", **EMU)  # left to the model
     assert off._recompute is None
     off.remove()
+    # "auto" changes nothing then: with optimizer= the activations stash keeps its default (on)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, recompute="auto", **EMU)
+    assert off._recompute is None and off._stash_min is not None
+    off.remove()

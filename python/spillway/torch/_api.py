@@ -6,6 +6,7 @@ from typing import Any, Iterable, Optional, Union
 from torch import nn
 
 from ..errors import ConfigError, InvalidArgument
+from . import _recompute
 from ._offload import Offload
 from ._pipeline import offload_all
 
@@ -131,6 +132,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
         raise ConfigError("offload: overlap_update overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "
                           + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
+    # "auto" on a model that recomputes its layers itself is off, and so leaves the stash's default
+    recompute = _recompute.resolve(recompute, module)
     stash = activations if activations is not None else optimizer is not None and not recompute
     return Offload._build(module, budget, policy, device, block_list, trace, offload_trainable, dict(options),
                           optimizer=optimizer, activations=bool(stash), host_update=host_update,
