@@ -292,6 +292,10 @@ SPW_API spw_status spw_release_acquire(spw_buf *done, spw_stream done_stream, sp
  * is willing to make (LRU displaces the least recently used; plan never displaces a buffer
  * needed sooner). */
 SPW_API spw_status spw_prefetch(spw_buf *buf, spw_stream stream);
+/* spw_prefetch into room the budget has free now, displacing nothing: for a caller that renews
+ * buffers in the order the next step reads them (an optimizer's updated weights), where a
+ * displacing prefetch would push out the ones renewed just before, needed sooner. */
+SPW_API spw_status spw_prefetch_free(spw_buf *buf, spw_stream stream);
 SPW_API spw_status spw_evict(spw_buf *buf);
 /* The contents are dead: no copy of them needs to survive (next acquire should be WRITE). */
 SPW_API spw_status spw_discard(spw_buf *buf);

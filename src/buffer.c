@@ -610,6 +610,20 @@ SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
     return st;
 }
 
+SPW_API spw_status spw_prefetch_free(spw_buf *b, spw_stream s) {
+    spw_status st;
+    if ((st = enter(b, "spw_prefetch_free"))) return st;
+    (void)s;
+    /* as spw_prefetch, into room the budget has free now: nothing is evicted, nothing trimmed */
+    st = prefetch_locked(b->ctx, b, 1, false);
+    if (st == SPW_ERR_OUT_OF_MEMORY) {
+        spw__error_clear();
+        st = SPW_OK;
+    }
+    leave(b);
+    return st;
+}
+
 SPW_API spw_status spw_evict(spw_buf *b) {
     spw_status st;
     if ((st = enter(b, "spw_evict"))) return st;

@@ -381,6 +381,23 @@ static void test_pressure(void **state) {
     assert_ok(spw_release(b[4], NULL));
     assert_false(b[0]->resident); /* the least recently released goes first */
     assert_true(b[1]->resident && b[2]->resident && b[3]->resident);
+    /* spw_prefetch_free displaces nothing: with the budget full it moves nothing; into the room
+     * an eviction left it uploads, contents intact */
+    spw_stats before, after;
+    assert_ok(spw_stats_get(ctx, &before));
+    assert_ok(spw_prefetch_free(b[5], NULL));
+    assert_ok(spw_stats_get(ctx, &after));
+    assert_false(b[5]->resident);
+    assert_true(b[1]->resident && b[2]->resident && b[3]->resident && b[4]->resident);
+    assert_int_equal(after.bytes_h2d.total, before.bytes_h2d.total);
+    assert_int_equal(after.evictions_clean.total + after.evictions_dirty.total,
+                     before.evictions_clean.total + before.evictions_dirty.total);
+    assert_ok(spw_evict(b[1]));
+    assert_ok(spw_prefetch_free(b[5], NULL));
+    assert_true(b[5]->resident && b[5]->prefetched);
+    assert_true(b[2]->resident && b[3]->resident && b[4]->resident);
+    assert_ok(spw_prefetch_free(b[5], NULL)); /* resident already: nothing to do */
+    check_contents(b[5], (uint8_t)(5 + 4));
     /* everything acquired: OOM with the pinned bytes in the message, nothing changed */
     int held = 0;
     void *dd[N];
@@ -757,6 +774,8 @@ static void test_bad_input(void **state) {
     assert_status(spw_buf_register_host(ctx, x, 8, SPW_BUF_MANAGED, &b), SPW_ERR_UNSUPPORTED);
     assert_status(spw_acquire(NULL, NULL, SPW_ACCESS_READ, &d), SPW_ERR_INVALID_ARGUMENT);
     assert_status(spw_release(NULL, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_prefetch_free(NULL, NULL), SPW_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(spw_last_error(), "spw_prefetch_free: buffer is NULL"));
     assert_status(spw_buf_destroy(NULL), SPW_ERR_INVALID_ARGUMENT);
     assert_status(spw_step_begin(NULL), SPW_ERR_INVALID_ARGUMENT);
     assert_int_equal(spw_buf_size(NULL), 0);

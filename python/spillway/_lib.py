@@ -161,6 +161,7 @@ _SIGNATURES = {
         [buf_p, stream_t, buf_p, stream_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)],
     ),
     "spw_prefetch": (status_t, [buf_p, stream_t]),
+    "spw_prefetch_free": (status_t, [buf_p, stream_t]),
     "spw_evict": (status_t, [buf_p]),
     "spw_discard": (status_t, [buf_p]),
     "spw_step_begin": (status_t, [ctx_p]),

@@ -923,3 +923,37 @@ def test_activations_whose_pattern_changes_step_to_step(pattern):
     assert off.stats()["offload"]["activations_stashed"] > 0
     assert off.context.stats()["bytes_d2h"]["total"] > 0  # they did not all fit: written back and read again
     finish(off, m, ref, big_batches(9)[0])
+
+
+def test_the_step_renews_units_without_displacing_them():
+    """The C step uploads each unit it updated into the room its stale copy left, and never
+    makes room: the units are renewed in the forward's order, so making room would push out
+    those renewed just before, which the forward needs first. So the step uploads at most the
+    budget, and with the next forward little more than the offloaded bytes once."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512)) for _ in range(8)])
+    ref = copy.deepcopy(m)
+    opt, opt_ref = (torch.optim.AdamW(x.parameters(), lr=1e-3) for x in (m, ref))
+    off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", train_on_device=0, prefetch="on",
+                      emu_link_gbps=200, activations=False)
+    offloaded = sum(u.nbytes for u in off.units)
+    assert offloaded > 2 * (6 << 20)
+    h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
+    for step in range(4):
+        x = torch.randn(256, 512, generator=torch.Generator().manual_seed(step))
+        for model, o in ((m, opt), (ref, opt_ref)):
+            before_fwd = h2d()
+            loss = model(x).square().mean()
+            fwd = h2d() - before_fwd
+            loss.backward()
+            before_step = h2d()
+            o.step()
+            o.zero_grad()
+            if model is m:
+                stepped = h2d() - before_step
+                assert 0 < stepped <= 6 << 20, stepped
+                if step:  # the renewed units are used where they are: the rest come in the forward
+                    assert renewed + fwd <= 1.3 * offloaded, (renewed, fwd, offloaded)
+                renewed = stepped
+        assert_params_equal(m, ref)
+    off.remove()

@@ -328,11 +328,14 @@ def refresh(off: Any, done: Optional[set] = None) -> None:
 
 def _renew(off: Any, u: _Unit) -> None:
     """u's parameters were just updated on the host: drop its stale device copy and start
-    uploading the new one (spw_prefetch, on the current stream: a hint the policy may decline),
-    so that the upload overlaps the update of the units after it."""
+    uploading the new one, so that the upload overlaps the update of the units after it. Into
+    free room only (spw_prefetch_free): the units are renewed in the forward's order, and one
+    that makes room would push out those renewed before it, which the forward needs sooner; a
+    unit the backward left on the device is renewed in its own room, the first ones the forward
+    needs as a rule (the backward ends with them)."""
     st = _lib_c.spw_evict(u.handle)
     if not st:
-        st = _lib_c.spw_prefetch(u.handle, off._stream())
+        st = _lib_c.spw_prefetch_free(u.handle, off._stream())
     if st:
         raise error_for(st)
     off.step_evictions += 1
