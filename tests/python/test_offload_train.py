@@ -925,9 +925,10 @@ def test_activations_whose_pattern_changes_step_to_step(pattern):
     finish(off, m, ref, big_batches(9)[0])
 
 
-def test_the_step_renews_units_without_displacing_them():
-    """The C step uploads each unit it updated into the room its stale copy left, and never
-    makes room: the units are renewed in the forward's order, so making room would push out
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_renews_units_without_displacing_them(overlap):
+    """The C step (also beside the next forward) uploads each unit it updated into the room its
+    stale copy left, and never makes room: the units are renewed in the forward's order, so making room would push out
     those renewed just before, which the forward needs first. So the step uploads at most the
     budget, and with the next forward little more than the offloaded bytes once."""
     torch.manual_seed(0)
@@ -935,7 +936,7 @@ def test_the_step_renews_units_without_displacing_them():
     ref = copy.deepcopy(m)
     opt, opt_ref = (torch.optim.AdamW(x.parameters(), lr=1e-3) for x in (m, ref))
     off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", train_on_device=0, prefetch="on",
-                      emu_link_gbps=200, activations=False)
+                      emu_link_gbps=200, activations=False, overlap_update=overlap)
     offloaded = sum(u.nbytes for u in off.units)
     assert offloaded > 2 * (6 << 20)
     h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
@@ -950,6 +951,7 @@ def test_the_step_renews_units_without_displacing_them():
             o.step()
             o.zero_grad()
             if model is m:
+                off.synchronize()  # overlap_update: the update (and its uploads) done
                 stepped = h2d() - before_step
                 assert 0 < stepped <= 6 << 20, stepped
                 if step:  # the renewed units are used where they are: the rest come in the forward

@@ -93,10 +93,10 @@ class Update:
                     st = _lib_c.spw_buf_host_end(unit.handle)
                     if st:
                         raise error_for(st)
-                    # start its upload now, as the step without the overlap does: the forward that
-                    # waits for this unit then waits less (a hint: a declined or failed one changes
-                    # nothing but the wait)
-                    _lib_c.spw_prefetch(unit.handle, self.stream)
+                    # start its upload now, into free room, as the step without the overlap does
+                    # (_train._renew): the forward that waits for this unit then waits less (a
+                    # hint: a declined or failed one changes nothing but the wait)
+                    _lib_c.spw_prefetch_free(unit.handle, self.stream)
                     with self.cond:
                         self.done.add(unit.index)
                         self.cond.notify_all()
