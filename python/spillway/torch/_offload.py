@@ -522,10 +522,13 @@ class Offload:
         except BaseException:
             self._depth = 0
             raise
-        # With activations kept in the budget a step spans forward and backward (the plan must
-        # see the reads of what the forward wrote): it is left open, and ends at the optimizer's
-        # step (_train.wrap_step) or, without an optimizer, at the next forward.
-        spans = auto_step and self._stash_min is not None
+        # A step spans forward and backward when activations are kept in the budget (the plan
+        # must see the reads of what the forward wrote) and when training under grad (the
+        # backward acquires the units again, last first: a step of the forward alone made the
+        # plan prefetch the next forward's first units at its end, over the last ones the
+        # backward needs first). It is left open, and ends at the optimizer's step
+        # (_train.wrap_step) or, without an optimizer, at the next forward.
+        spans = auto_step and (self._stash_min is not None or (self._train and torch.is_grad_enabled()))
         saved = None
         try:
             if spans:
