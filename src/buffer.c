@@ -595,14 +595,14 @@ spw_status spw__engine_stream_room(spw_ctx *ctx) {
     return spw__arena_map_free(ctx->large, (size_t)room, e->h2d);
 }
 
-SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
+/* spw_prefetch and spw_prefetch_free: a hint, so a prefetch declined for want of room the policy
+ * is willing to make (or, without may_evict, of room free now) is no error. Ordered before later
+ * acquires on every stream: they wait on the upload. */
+static spw_status prefetch_hint(spw_buf *b, bool may_evict, const char *fn) {
     spw_status st;
-    if ((st = enter(b, "spw_prefetch"))) return st;
-    (void)s;
-    /* ordered before later acquires on every stream, s included: they wait on the upload.
-     * A hint: the policy decides what it may displace (for_prefetch). */
-    st = prefetch_locked(b->ctx, b, 1, true);
-    if (st == SPW_ERR_OUT_OF_MEMORY) { /* declined: no room the policy is willing to make */
+    if ((st = enter(b, fn))) return st;
+    st = prefetch_locked(b->ctx, b, 1, may_evict);
+    if (st == SPW_ERR_OUT_OF_MEMORY) {
         spw__error_clear();
         st = SPW_OK;
     }
@@ -610,18 +610,14 @@ SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
     return st;
 }
 
-SPW_API spw_status spw_prefetch_free(spw_buf *b, spw_stream s) {
-    spw_status st;
-    if ((st = enter(b, "spw_prefetch_free"))) return st;
+SPW_API spw_status spw_prefetch(spw_buf *b, spw_stream s) {
     (void)s;
-    /* as spw_prefetch, into room the budget has free now: nothing is evicted, nothing trimmed */
-    st = prefetch_locked(b->ctx, b, 1, false);
-    if (st == SPW_ERR_OUT_OF_MEMORY) {
-        spw__error_clear();
-        st = SPW_OK;
-    }
-    leave(b);
-    return st;
+    return prefetch_hint(b, true, "spw_prefetch"); /* the policy decides what it may displace */
+}
+
+SPW_API spw_status spw_prefetch_free(spw_buf *b, spw_stream s) {
+    (void)s;
+    return prefetch_hint(b, false, "spw_prefetch_free"); /* nothing evicted, nothing trimmed */
 }
 
 SPW_API spw_status spw_evict(spw_buf *b) {
