@@ -135,7 +135,7 @@ def test_auto_recomputes_every_block_where_it_cannot_read_the_device():
     off.remove()
 
 
-def test_auto_learns_to_keep_what_fits(monkeypatch):
+def test_auto_learns_to_keep_what_fits():
     """The controller with a device it can read, played on the host: a block's forward leaves
     100 bytes allocated when it keeps its activations, 10 (its output) when it runs under
     checkpoint, and its recomputation in the backward 100 while it runs; the step's peak is
@@ -143,8 +143,7 @@ def test_auto_learns_to_keep_what_fits(monkeypatch):
     block; the second keeps as many as the peak leaves room for (6: the forward ends at 620,
     the peak at 920, under 1000 less 5%), and the choice holds."""
     mem = [0]
-    rec = _recompute.Recompute("auto", torch.device("cuda", 0), 1000, lambda: None, lambda: mem[0] + 300)
-    monkeypatch.setattr(rec, "_allocated", lambda: mem[0])
+    rec = _recompute.Recompute("auto", 1000, lambda: None, lambda: mem[0] + 300, lambda: mem[0])
     blocks = [nn.Linear(4, 4) for _ in range(8)]
 
     def inner_for(b):

@@ -87,14 +87,13 @@ class Recompute:
     """The recomputation of an offload's blocks. wrap(block, inner) gives the forward to
     install; step_done() after each optimizer step (the learning of "auto")."""
 
-    def __init__(self, mode: Any, device: torch.device, limit: Optional[int], reset_peak: Callable[[], None],
-                 read_peak: Callable[[], int], used: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, mode: Any, limit: Optional[int], reset_peak: Callable[[], None], read_peak: Callable[[], int],
+                 used: Callable[[], int]) -> None:
         self.mode = mode
-        self.device = device
         self.limit = limit  # "auto"'s device limit; None: recompute every block
-        self._reset_peak, self._read_peak = reset_peak, read_peak
-        if used is not None:
-            self._allocated = used  # type: ignore[method-assign]
+        # the step's peak and the bytes in use now that the forward's limit is compared with
+        # (read only where there is a limit)
+        self._reset_peak, self._read_peak, self._allocated = reset_peak, read_peak, used
         self.forward_limit: Optional[float] = None  # F: none learnt yet
         self.activation = 0  # the largest block's activations seen, bytes
         self.forward_end = 0  # allocated bytes after the last block of the last forward
@@ -106,10 +105,6 @@ class Recompute:
         self._began = False
         if self.limit is not None:
             self._reset_peak()
-
-    def _allocated(self) -> int:
-        """The device bytes in use that the forward's limit is compared with."""
-        return torch.cuda.memory_allocated(self.device)
 
     def learning(self) -> bool:
         """Whether this step still measures (the steps of "auto" up to LEARN_STEPS)."""
@@ -196,7 +191,7 @@ def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recom
     limit: Optional[int] = None
     reset: Callable[[], None] = lambda: None  # noqa: E731
     read: Callable[[], int] = lambda: 0  # noqa: E731
-    used: Optional[Callable[[], int]] = None
+    used: Callable[[], int] = lambda: 0  # noqa: E731
     if mode == "auto" and dev.type == "cuda":
         if shared_budget is not None:
             limit = shared_budget
@@ -215,7 +210,7 @@ def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recom
             # what PyTorch and the context hold now: the limit less the device's free memory (one
             # driver call; torch.cuda.memory_reserved builds its whole table of statistics)
             used = lambda: limit - torch.cuda.mem_get_info(index)[0]  # noqa: E731
-    rec = Recompute(mode, dev, limit, reset, read, used)
+    rec = Recompute(mode, limit, reset, read, used)
     for b in found:
         _patch.wrap_forward(off, b, rec.wrap(b, b.forward))
     return rec
