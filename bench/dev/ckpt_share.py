@@ -25,10 +25,36 @@ import torch_train as tt  # noqa: E402
 GiB = 1 << 30
 
 
-def recomputed(layer: torch.nn.Module, inner, *args, **kwargs):
+def by_hand(layer: torch.nn.Module, inner, *args, _kw=None, **kwargs):
+    """layer's forward (inner) under torch.utils.checkpoint with the keywords _kw (default:
+    non-reentrant) while training; as it is otherwise."""
+    kw = _kw if _kw is not None else dict(use_reentrant=False)
     if not layer.training:
         return inner(*args, **kwargs)
-    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    if kw.get("use_reentrant"):  # reentrant checkpoint takes positional arguments only
+        names = ("attention_mask", "position_ids", "past_key_values", "use_cache", "cache_position",
+                 "position_embeddings")
+        extra = {k: v for k, v in kwargs.items() if k not in names}
+
+        def run(hidden, mask, pos, pe):
+            return inner(hidden, attention_mask=mask, position_ids=pos, position_embeddings=pe, **extra)
+        return checkpoint(run, args[0] if args else kwargs["hidden_states"], kwargs.get("attention_mask"),
+                          kwargs.get("position_ids"), kwargs.get("position_embeddings"), **kw)
+    return checkpoint(inner, *args, **kw, **kwargs)
+
+
+def resident(model: str, alloc=None):
+    """torch_train.py's model `model` built on the device (inside use_allocator(budget=alloc) when
+    given), with its decoder layers, their own forwards, AdamW fused and one batch of token ids."""
+    dev = torch.device("cuda", 0)
+    shape = tt.SHAPES[model]
+    if alloc:
+        import spillway.torch as spt
+        spt.use_allocator(budget=alloc).__enter__()
+    net, _, _ = tt.build(shape, dev, dev)
+    layers = list(tt.decoder_layers(net))
+    opt = tt.adamw([p for p in net.parameters() if p.requires_grad], "cuda")
+    return net, layers, [layer.forward for layer in layers], opt, tt.batches(shape, 1)[0].to(dev)
 
 
 def main() -> None:
@@ -40,20 +66,11 @@ def main() -> None:
     ap.add_argument("--where", default="first", choices=["first", "last"])
     ap.add_argument("--alloc", default=None, help="run under spillway.torch.use_allocator(budget=ALLOC)")
     args = ap.parse_args()
-    dev = torch.device("cuda", 0)
-    shape = tt.SHAPES[args.model]
-    if args.alloc:
-        import spillway.torch as spt
-        spt.use_allocator(budget=args.alloc).__enter__()
-    model, _, _ = tt.build(shape, dev, dev)
-    layers = list(tt.decoder_layers(model))
-    inner = [layer.forward for layer in layers]
-    opt = tt.adamw([p for p in model.parameters() if p.requires_grad], "cuda")
-    ids = tt.batches(shape, 1)[0].to(dev)
+    model, layers, inner, opt, ids = resident(args.model, args.alloc)
     for k in (int(x) for x in args.ks.split(",")):
         chosen = set(range(k)) if args.where == "first" else set(range(len(layers) - k, len(layers)))
         for i, layer in enumerate(layers):
-            layer.forward = functools.partial(recomputed, layer, inner[i]) if i in chosen else inner[i]
+            layer.forward = functools.partial(by_hand, layer, inner[i]) if i in chosen else inner[i]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -28,27 +28,12 @@ import sys
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_train as tt  # noqa: E402
+from ckpt_share import by_hand, resident  # noqa: E402
 
 GiB = 1 << 30
-
-
-def by_hand(layer: torch.nn.Module, inner, *args, _kw=None, **kwargs):
-    if not layer.training:
-        return inner(*args, **kwargs)
-    if _kw.get("use_reentrant"):  # reentrant checkpoint takes positional arguments only
-        names = ("attention_mask", "position_ids", "past_key_values", "use_cache", "cache_position",
-                 "position_embeddings")
-        extra = {k: v for k, v in kwargs.items() if k not in names}
-
-        def run(hidden, mask, pos, pe):
-            return inner(hidden, attention_mask=mask, position_ids=pos, position_embeddings=pe, **extra)
-        return checkpoint(run, args[0] if args else kwargs["hidden_states"], kwargs.get("attention_mask"),
-                          kwargs.get("position_ids"), kwargs.get("position_embeddings"), **_kw)
-    return checkpoint(inner, *args, **_kw, **kwargs)
 
 
 HAND = {"by-hand": dict(use_reentrant=False),
@@ -76,17 +61,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the last step of each way")
     ap.add_argument("--kernels", action="store_true", help="the GPU's kernel time of one more step (torch.profiler)")
     args = ap.parse_args()
-    dev = torch.device("cuda", 0)
-    shape = tt.SHAPES[args.model]
     import spillway.torch as spt
-    if args.alloc:
-        spt.use_allocator(budget=args.alloc).__enter__()
-    model, _, _ = tt.build(shape, dev, dev)
-    layers = list(tt.decoder_layers(model))
-    inner = [layer.forward for layer in layers]
+    model, layers, inner, opt, ids = resident(args.model, args.alloc)
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = tt.adamw(trained, "cuda")
-    ids = tt.batches(shape, 1)[0].to(dev)
     print(f"model {args.model}, {sum(p.numel() for p in trained) / 1e9:.2f}B trained, "
           f"alloc {args.alloc or '-'}", flush=True)
     for way in args.ways.split(","):
