@@ -333,9 +333,8 @@ def _renew(off: Any, u: _Unit) -> None:
     that makes room would push out those renewed before it, which the forward needs sooner; a
     unit the backward left on the device is renewed in its own room, the first ones the forward
     needs as a rule (the backward ends with them)."""
-    st = _lib_c.spw_evict(u.handle)
-    if not st:
-        st = _lib_c.spw_prefetch_free(u.handle, off._stream())
+    _edits.evict((u,))
+    st = _lib_c.spw_prefetch_free(u.handle, off._stream())
     if st:
         raise error_for(st)
     off.step_evictions += 1
