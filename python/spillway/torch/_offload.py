@@ -513,10 +513,11 @@ class Offload:
             return inner(*args, **kwargs)
         self._depth = 1
         auto_step = not self._explicit_steps
+        grad = torch.is_grad_enabled()
         try:
-            if self._train and torch.is_grad_enabled():
+            if self._train and grad:
                 _parallel.check_not_wrapped(self.module)
-            elif self._recompute is not None and torch.is_grad_enabled():
+            elif self._recompute is not None and grad:
                 self._recompute.forward_began()
             self._drop_edited()
         except BaseException:
@@ -528,7 +529,7 @@ class Offload:
         # plan prefetch the next forward's first units at its end, over the last ones the
         # backward needs first). It is left open, and ends at the optimizer's step
         # (_train.wrap_step) or, without an optimizer, at the next forward.
-        spans = auto_step and (self._stash_min is not None or (self._train and torch.is_grad_enabled()))
+        spans = auto_step and (self._stash_min is not None or (self._train and grad))
         saved = None
         try:
             if spans:
@@ -539,7 +540,7 @@ class Offload:
                     self._open_step = True
             elif auto_step:
                 self._step_begin()
-            if torch.is_grad_enabled():
+            if grad:
                 saved = saving(self)
                 saved.__enter__()
             t0 = time.perf_counter_ns()
