@@ -5,7 +5,7 @@ bitwise those of DistributedDataParallel (each rank's gradient times 1/2, summed
 reducer does); with accumulation and clipping the losses are within 1e-5 relative and the
 weights within 1e-5 of their largest (DDP averages the accumulated gradient, the offload each
 backward's: the same sum, rounded in another order). Also: the weights move every step, the
-ranks start from rank 0's weights, wrapping the offloaded model in DistributedDataParallel is
+ranks start from rank 0's weights and buffers, wrapping the offloaded model in DistributedDataParallel is
 a clear error, and bad process_group values are refused before anything moves. Adapters on an
 offloaded frozen base (no optimizer=) train under DistributedDataParallel itself, bitwise."""
 from __future__ import annotations
@@ -28,10 +28,22 @@ WORLD = 2
 STEPS = 5
 
 
+class Shift(nn.Module):
+    """Adds a buffer (a non-trained tensor DistributedDataParallel broadcasts from rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.randn(512) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
 def stack(seed: int) -> nn.Sequential:
-    """8 Linear(512, 512)+Tanh layers, 8 MiB: twice the 4 MiB budget."""
+    """8 Linear(512, 512)+Tanh layers, 8 MiB: twice the 4 MiB budget, after a Shift whose
+    buffer differs by seed."""
     torch.manual_seed(seed)
-    layers = []
+    layers: list = [Shift()]
     for _ in range(8):
         layers += [nn.Linear(512, 512), nn.Tanh()]
     return nn.Sequential(*layers)
@@ -55,6 +67,7 @@ def train_pair(rank: int, micro: int, clip: float, budget: str, **offload_args):
     with torch.no_grad():  # as a setup under no_grad would: the device-trained parameters are still watched
         off = spt.offload(m, budget=budget, optimizer=opt, backend="emu", **offload_args)
     first = [p.detach().clone() for p in m.parameters()]
+    out = dict(shift=m[0].shift.clone())
     losses = []
     for step in range(STEPS):
         for i, x in enumerate(batches(rank, step, micro)):
@@ -71,7 +84,7 @@ def train_pair(rank: int, micro: int, clip: float, budget: str, **offload_args):
         opt.zero_grad()
         opt_ref.zero_grad()
     off.synchronize()
-    out = dict(first=first, params=[p.detach().clone() for p in m.parameters()],
+    out.update(first=first, params=[p.detach().clone() for p in m.parameters()],
                ref=[p.detach().clone() for p in ref.parameters()], losses=losses,
                stats=off.stats()["offload"], summary=off.summary())
     off.remove()
@@ -96,7 +109,7 @@ def not_averaged(rank: int):
     m = stack(rank)
     off = spt.offload(m, budget="4MiB", optimizer=adamw(m), backend="emu", process_group=None)
     m(batches(rank, 0, 1)[0]).square().mean().backward()
-    out = dict(grad=m[0].weight.grad.clone(), stats=off.stats()["offload"])
+    out = dict(grad=m[1].weight.grad.clone(), stats=off.stats()["offload"])
     off.remove()
     return out
 
@@ -191,7 +204,9 @@ def test_bitwise_equal_to_ddp(ranks):
         e = res["exact"]
         for a, b in zip(e["first"], ranks[0]["exact"]["first"]):  # rank 0's weights everywhere
             assert torch.equal(a, b)
-        assert stack(1)[0].weight.ne(stack(0)[0].weight).any()  # they were not to begin with
+        assert torch.equal(e["shift"], ranks[0]["exact"]["shift"])  # and rank 0's buffers
+        assert stack(1)[1].weight.ne(stack(0)[1].weight).any()  # they were not to begin with
+        assert stack(1)[0].shift.ne(stack(0)[0].shift).any()
         assert_as_ddp(e, ranks[0]["exact"])
         for a, b in zip(e["params"], e["first"]):
             assert not torch.equal(a, b)

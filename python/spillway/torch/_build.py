@@ -175,8 +175,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
                         p.grad = p.grad.to(dev)
         if off._train:  # the optimizer's state of the parameters trained on the device goes with them
             _train.move_state(optimizer, "param", {id(p) for _, p in off._trainable})
-        if off._average is not None:  # every rank starts from rank 0's weights, as under DDP
-            off._average.broadcast(_train.trained_tensors(off), dev)
+        if off._average is not None:  # every rank starts from rank 0's weights and buffers, as under DDP
+            off._average.broadcast(_parallel.module_state(module, _train.trained_tensors(off)), dev)
             off._average.watch(p for _, p in off._trainable)
             off._landing.average = off._average
         install(off, module, hooked)

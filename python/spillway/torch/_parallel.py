@@ -1,7 +1,7 @@
 """Data-parallel training through an offload (offload(..., optimizer=opt) under torchrun): the
 gradients of the trained parameters averaged over the ranks of a process group, as
-DistributedDataParallel averages them, and the trained parameters broadcast from rank 0 when
-the offload starts, as DistributedDataParallel's constructor does.
+DistributedDataParallel averages them, and the module's parameters and buffers broadcast from
+rank 0 when the offload starts, as DistributedDataParallel's constructor does.
 
 DistributedDataParallel itself cannot wrap an offloaded model: its reducer hooks the
 parameters' gradient accumulators, which an offloaded parameter's gradient never passes (it
@@ -144,6 +144,20 @@ class GradAverage:
         for h in self.hooks:
             h.remove()
         self.hooks, self.accumulators, self.fired = [], [], []
+
+
+def module_state(module: torch.nn.Module, trained: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """What DistributedDataParallel's constructor broadcasts from the first rank: every
+    parameter and buffer of module, each once, the trained ones first (the offloaded ones as
+    their host Parameters, whose values the packs hold), then the rest in the module's order.
+    Every rank builds the same list from the same model."""
+    out: List[torch.Tensor] = []
+    seen: set = set()
+    for t in (*trained, *module.parameters(), *module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def check_not_wrapped(module: torch.nn.Module) -> None:
