@@ -26,7 +26,7 @@ import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 KEYS = ("trim_syncs", "window_evictions", "stalls", "backend_allocs", "backend_frees", "plan_hits", "plan_divergences",
-        "bytes_h2d", "plan_prefetch_bytes", "plan_prefetch_wasted", "cross_stream_waits", "lock_waits")
+        "bytes_h2d", "plan_prefetch_bytes", "plan_prefetch_wasted", "cross_stream_waits", "lock_waits", "lock_wait_ns")
 
 
 def counters(h):
@@ -124,7 +124,7 @@ def hist_q(hist, q):
     return 0
 
 
-def run(case, policy, warm):
+def run(case, policy, warm, options):
     key, spec = case.split(":")
     model, inputs = td.MODELS[key][0](False)
     total = td.nbytes(model)
@@ -136,7 +136,7 @@ def run(case, policy, warm):
         res_prof = profile(step)
         model.to("cpu")
         torch.cuda.empty_cache()
-        h = spt.offload(model, budget=budget, policy=policy)
+        h = spt.offload(model, budget=budget, policy=policy, **options)
         timed(step, warm)
         c0 = counters(h)
         hist0 = list(h._hook_hist)
@@ -147,11 +147,13 @@ def run(case, policy, warm):
         timed(step, 3)
         pr = profile(step)
     d = {k: (c1[k] - c0[k]) / 5 for k in c0}
-    print(f"\n== {key} budget {budget / 2**30:.2f} GiB of {total / 2**30:.2f}, {policy}, {len(h.units)} units")
+    print(f"\n== {key} budget {budget / 2**30:.2f} GiB of {total / 2**30:.2f}, {policy} {options}, {len(h.units)} units")
     print(f"resident {res_ms:.1f} ms (kernels busy {res_prof['kernels_busy_ms']:.1f}, {res_prof['kernels']} kernels, "
           f"syncs {res_prof['host_syncs']}); offloaded {statistics.median(ts):.1f} ms {['%.1f' % t for t in ts]}")
     print("per step: " + ", ".join(f"{k} {v:.1f}" if k not in ("bytes_h2d", "plan_prefetch_bytes", "plan_prefetch_wasted")
-                                   else f"{k} {v / 2**20:.0f} MiB" for k, v in d.items() if k != "hook_ns")
+                                   else f"{k} {v / 2**20:.0f} MiB" for k, v in d.items()
+                                   if k not in ("hook_ns", "lock_wait_ns"))
+          + f", lock wait {d['lock_wait_ns'] / 1e6:.2f} ms ({d['lock_wait_ns'] / max(d['acquires'], 1) / 1e3:.1f} us/acquire)"
           + f", hook us/acquire mean {d['hook_ns'] / max(d['acquires'], 1) / 1e3:.1f}, "
           f"median (whole run) {h.hook_stats()['hook_us_median']:.1f}")
     print("hook us/acquire in the steady steps (1-us buckets): " + ", ".join(
@@ -178,11 +180,13 @@ def main():
     ap.add_argument("--policy", default="plan")
     ap.add_argument("--warm", type=int, default=25)
     ap.add_argument("--unit-max", type=int, default=0, help="cap on the partition's largest unit, bytes")
+    ap.add_argument("--options", default="", help="offload options, k=v,k=v (e.g. vmm=off)")
     args = ap.parse_args()
+    options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
     torch.backends.cuda.matmul.allow_tf32 = False
     with td.unit_cap(args.unit_max):
         for case in args.cases.split(","):
-            run(case, args.policy, args.warm)
+            run(case, args.policy, args.warm, options)
 
 
 if __name__ == "__main__":
