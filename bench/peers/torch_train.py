@@ -57,10 +57,6 @@ Variants, one process each (this file with --child)
   spillway-c-recompute  spillway-c with offload(recompute=True): spillway recomputes the
                    decoder layers in the backward (instead of transformers' checkpointing)
   spillway-c-recompute-overlap  the same with overlap_update=True
-  spillway-c-recompute-delayed, spillway-c-ckpt-delayed  spillway-c-recompute / -ckpt with
-                   overlap_update="delayed": each step's host update applied one step late, so
-                   that it runs beside the next forward and backward (not exact training: the
-                   losses column says how far it is from resident's)
   spillway-alloc-recompute  spillway-alloc with recompute="auto" and AdamW(fused=True): the
                    training state kept whole on the device when it fits beside the recomputed
                    layers, as few layers recomputed as the budget needs
@@ -132,15 +128,13 @@ if (ROOT / "python" / "spillway").is_dir():
 VARIANTS = ["resident", "checkpointing", "save_on_cpu", "fsdp-offload", "fsdp-offload-ckpt", "hostopt",
             "spillway", "spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
             "spillway-c-ckpt-overlap-backward", "spillway-alloc", "spillway-c-recompute",
-            "spillway-c-recompute-overlap", "spillway-alloc-recompute", "spillway-c-recompute-delayed",
-            "spillway-c-ckpt-delayed"]
+            "spillway-c-recompute-overlap", "spillway-alloc-recompute"]
 CHECKPOINTED = {"checkpointing", "fsdp-offload-ckpt", "spillway-c-ckpt", "spillway-c-ckpt-overlap",
-                "spillway-c-ckpt-overlap-backward", "spillway-c-ckpt-delayed"}  # gradient_checkpointing_enable
+                "spillway-c-ckpt-overlap-backward"}  # gradient_checkpointing_enable
 C_STEP = {"spillway-c", "spillway-c-ckpt", "spillway-c-overlap", "spillway-c-ckpt-overlap",
           "spillway-c-ckpt-overlap-backward", "spillway-c-recompute",
-          "spillway-c-recompute-overlap", "spillway-c-recompute-delayed",
-          "spillway-c-ckpt-delayed"}  # host_update="spillway"
-RECOMPUTED = {"spillway-c-recompute": True, "spillway-c-recompute-overlap": True, "spillway-c-recompute-delayed": True,
+          "spillway-c-recompute-overlap"}  # host_update="spillway"
+RECOMPUTED = {"spillway-c-recompute": True, "spillway-c-recompute-overlap": True,
               "spillway-alloc-recompute": "auto"}  # offload(recompute=...)
 ALLOC = {"spillway-alloc", "spillway-alloc-recompute"}  # inside use_allocator(budget=B)
 SHAPES = {
@@ -523,8 +517,6 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                 kw["overlap_update"] = True
             elif name.endswith("-overlap-backward"):
                 kw["overlap_update"] = "backward"
-            elif name.endswith("-delayed"):
-                kw["overlap_update"] = "delayed"
             if name not in ALLOC:
                 kw["budget"] = budget
             if name in RECOMPUTED:

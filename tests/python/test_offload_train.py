@@ -421,50 +421,6 @@ def test_overlapped_update_is_the_same_update(micro, clip):
     finish(off, m, ref, stack_batches(9)[0])
 
 
-@pytest.mark.parametrize("micro,clip,set_to_none", [(1, 0.0, True), (4, 1.0, False)])
-def test_delayed_update_applies_each_step_one_step_late(micro, clip, set_to_none):
-    """overlap_update="delayed": the forward and backward after a step use the weights before
-    it. Against a resident model trained so by hand (its optimizer steps a master copy; the
-    master's previous values reach the model at each step, before the master's update): every
-    loss and gradient bitwise equal (accumulation, clipping, two groups, both zero_grad modes),
-    the update overlaps the whole next forward and backward, the weights move, and after
-    synchronize() the parameters and opt's state are the master's and its optimizer's."""
-    m = stack(5)
-    ref, master = copy.deepcopy(m), copy.deepcopy(m)
-    opt, opt_ref = two_groups(m), two_groups(master)
-    off = spt.offload(m, budget="4MiB", optimizer=opt, overlap_update="delayed", train_on_device=0, **EMU)
-    for step in range(STEPS):
-        for x in stack_batches(step)[:micro]:
-            loss = moved(off, lambda: mse(m, x))
-            want = mse(ref, x)
-            assert torch.equal(loss, want), (step, loss, want)
-            loss.backward()
-            want.backward()
-            if step:  # the last step's update still runs: neither the forward nor the backward waited for it
-                assert isinstance(off._update, spt._overlap.Delayed) and off._update.thread is not None
-        if clip:
-            assert torch.equal(torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip),
-                               torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=clip))
-        for p, q, w in zip(m.parameters(), ref.parameters(), master.parameters()):
-            assert torch.equal(p.grad, q.grad)
-            w.grad = q.grad.clone()
-        with torch.no_grad():
-            if step:
-                for q, w in zip(ref.parameters(), master.parameters()):
-                    q.copy_(w)
-        opt.step()
-        opt_ref.step()
-        for o in (opt, opt_ref):
-            o.zero_grad(set_to_none=set_to_none)
-        ref.zero_grad(set_to_none=set_to_none)
-    off.synchronize()
-    assert_params_equal(m, master)
-    for a, b in zip(opt.state_dict()["state"].values(), opt_ref.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-    assert off.c_steps == STEPS
-    finish(off, m, master, stack_batches(9)[0])
-
-
 @pytest.mark.parametrize("make", [
     two_groups,
     lambda mod: torch.optim.Adam(mod.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True),
@@ -699,7 +655,7 @@ def test_host_update_falls_back_to_the_optimizers_own_step():
     finish(off, m, ref, stack_batches(9)[0])
     with pytest.raises(spillway.ConfigError, match="host_update"):
         spt.offload(stack(), budget="4MiB", optimizer=None, host_update="c", **EMU)
-    with pytest.raises(spillway.ConfigError, match="overlap_update must be True, False, 'backward' or 'delayed', got 'yes'"):
+    with pytest.raises(spillway.ConfigError, match="overlap_update must be True, False or 'backward', got 'yes'"):
         spt.offload(stack(), budget="4MiB", optimizer=torch.optim.AdamW(stack().parameters()), overlap_update="yes",
                     **EMU)
     with pytest.raises(spillway.ConfigError, match="overlap_update.*no optimizer"):

@@ -73,13 +73,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     has changed since (no clipping, no unscale, one backward a step; otherwise it is computed
     again in the step). Where host memory's bandwidth bounds the step, as on the machine
     measured (bench/RESULTS.md), that is slower than True. Off by default. Results are bitwise
-    those of overlap_update=False. "delayed" applies each step's update of the offloaded
-    parameters one step late (ZeRO-Offload's delayed parameter update): the next forward and
-    backward use the weights before it, so the update overlaps both of them, not only the
-    forward. Training then differs from the exact one (each gradient is taken at weights one
-    update old; the update itself is opt's formula); the parameters trained on the device are
-    updated at once as always. synchronize() (and state_dict()) gives the parameters the
-    latest update's values; read or write them only after it.
+    those of overlap_update=False.
     train_on_device: with optimizer=, the trainable parameters kept on the device with their
     gradients and opt's state, updated there by opt's own step, the rest being offloaded and
     updated on the host as above: the first ones in the module's order (its first blocks, as
@@ -132,9 +126,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     block_list = None if blocks is None else list(blocks)
     if host_update not in ("torch", "spillway"):
         raise ConfigError(f"offload: host_update must be 'torch' or 'spillway', got {host_update!r}")
-    if overlap_update not in (False, True, "backward", "delayed"):
-        raise ConfigError(f"offload: overlap_update must be True, False, 'backward' or 'delayed', "
-                          f"got {overlap_update!r}")
+    if overlap_update not in (False, True, "backward"):
+        raise ConfigError(f"offload: overlap_update must be True, False or 'backward', got {overlap_update!r}")
     if overlap_update and (optimizer is None or host_update != "spillway"):
         raise ConfigError("offload: overlap_update overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "

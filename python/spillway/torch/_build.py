@@ -100,10 +100,6 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # (_ahead.py), on the same pool.
     off.overlap_update = overlap_update
     off._update: Optional[_overlap.Update] = None
-    # overlap_update "delayed": id(parameter) -> (parameter, its shadow), and the ids of the
-    # shadows updated but not yet copied into their parameters (_train._delayed_start)
-    off._shadows: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-    off._dirty: set = set()
     off._update_pool: Any = None
     off._ahead: Optional[_ahead.Updates] = None
     off.c_steps = 0

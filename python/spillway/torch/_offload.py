@@ -562,8 +562,8 @@ class Offload:
                     self._step_end()
                 self._depth = 0
                 self._edits.forward_ended()  # the buffers it wrote are written through
-                if self._update is not None and self.overlap_update != "delayed":
-                    self.synchronize()  # every unit it updates was waited for, or unused
+                if self._update is not None:  # every unit it updates was waited for, or unused
+                    self.synchronize()
 
     def _drop_edited(self) -> None:
         """Before a forward: drop the device copies of the units whose host tensors were edited
@@ -643,21 +643,13 @@ class Offload:
 
     def synchronize(self) -> None:
         """Wait for the optimizer's update still running beside the forward or computed ahead
-        during the backward (overlap_update) and raise its error (a StateError naming it); with
-        overlap_update="delayed", also give the parameters the values of the latest update
-        (which the next forward then uses). Nothing to do otherwise."""
-        self._wait_update()
-        _train.flush_delayed(self)
-
-    def _wait_update(self) -> None:
-        """synchronize() but for the delayed update's copy into the parameters."""
+        during the backward (overlap_update) and raise its error (a StateError naming it);
+        nothing to do otherwise."""
         if self._ahead is not None:
             self._ahead.drain()
         upd, self._update = self._update, None
         if upd is None:
             return
-        if self._landing is not None:
-            self._landing.held = None
         err = upd.finish()
         if err is not None:
             raise StateError(f"spillway.torch: the optimizer's update on the host failed: {err}") from err

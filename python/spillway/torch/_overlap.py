@@ -20,17 +20,6 @@ Contracts:
   Offload.synchronize() first: until then the values are being written.
 - A failure in the update ends every open host copy (so nothing is left refused) and is raised
   at the next of those points; parameters not reached keep their old values.
-
-overlap_update="delayed" (Delayed): the update of a step is applied one step late, as
-ZeRO-Offload's delayed parameter update is. Each host-trained parameter has a shadow, a host
-tensor the C update works on in place; the parameter (its unit's pack, what the uploads read)
-receives the shadow's values at the next opt.step(). So opt.step() k first copies the shadows
-(the weights after update k-1) into the packs, unit by unit in the forward's order, each in a
-host-copy window as above, then runs update k on the shadows; the forward and backward of step
-k+1 read the packs, which that update does not write, and wait only for the copies: the update
-overlaps the whole of them. The first step has nothing to copy. The gradients it reads are
-held by the update (a later backward adds to a parameter's gradient out of place, and
-zero_grad(set_to_none=False) sets a held one to None instead of zeroing it in place).
 """
 from __future__ import annotations
 
@@ -134,72 +123,3 @@ class Update:
         if self.thread is not None:
             self.thread.join()
         return self.error
-
-
-class Delayed(Update):
-    """One step's delayed update (module docstring, overlap_update="delayed"): publish, a list
-    of (unit, [(pack view, shadow)]) in the forward's order, is copied first, each unit in its
-    host-copy window; then the work, which updates the shadows. wait_for returns once the
-    unit's copy is done (the forward and backward read only the packs)."""
-
-    __slots__ = ("publish", "grads", "published")
-
-    def __init__(self, publish: List[Tuple[_Unit, List[Tuple[Any, Any]]]],
-                 work: List[Tuple[Optional[_Unit], List[Tuple[Any, Dict[str, Any]]]]], pool: Any,
-                 stream: Optional[int]) -> None:
-        super().__init__(work, pool, stream)
-        self.publish = publish
-        # the gradients the update reads, by id: kept from in-place changes (module docstring)
-        self.grads: Dict[int, Any] = {id(g): g for _, calls in work for _, kw in calls for g in kw["grads"]}
-        self.published = False
-
-    def start(self) -> None:
-        """Open the host copy of every unit to publish (their device copies are dropped: they
-        hold the weights before it), then start the thread."""
-        try:
-            for unit, _ in self.publish:
-                st = _lib_c.spw_buf_host_begin(unit.handle)
-                if st:
-                    raise error_for(st)
-                self.open.append(unit)
-        except BaseException:
-            self._end_open()
-            raise
-        self.thread = threading.Thread(target=self._run, name="spillway-optimizer-update", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            for unit, pairs in self.publish:
-                for dst, src in pairs:
-                    dst.copy_(src)
-                self.open.remove(unit)
-                st = _lib_c.spw_buf_host_end(unit.handle)
-                if st:
-                    raise error_for(st)
-                _lib_c.spw_prefetch_free(unit.handle, self.stream)
-                with self.cond:
-                    self.done.add(unit.index)
-                    self.cond.notify_all()
-            with self.cond:
-                self.published = True
-                self.cond.notify_all()
-            for _, calls in self.work:
-                for kernel, kw in calls:
-                    kernel(pool=self.pool, **kw)
-        except BaseException as e:
-            self.error = e
-        finally:
-            self._end_open()
-            with self.cond:
-                self.finished = True
-                self.cond.notify_all()
-
-    def wait_for(self, unit: _Unit) -> None:
-        with self.cond:
-            while unit.index not in self.done and not self.published and not self.finished:
-                self.cond.wait()
-
-    def holds(self, grad: Any) -> bool:
-        """Whether grad is a gradient this update reads (until it finishes)."""
-        return not self.finished and self.grads.get(id(grad)) is grad

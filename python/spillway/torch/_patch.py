@@ -98,12 +98,10 @@ def undo(off: Any) -> None:
             off._end_open_step()
         except _errors.Error:
             pass  # the context goes anyway; nothing to keep
-    upd, err = getattr(off, "_update", None), None
+    upd = getattr(off, "_update", None)
     if upd is not None:  # its error is the caller's to see before; the parameters stay as it left them
         off._update = None
-        err = upd.finish()
-    if err is None and getattr(off, "_dirty", None):
-        _train.flush_delayed(off)  # the parameters leave with the latest delayed update's values
+        upd.finish()
     if getattr(off, "_ahead", None) is not None:  # it reads the packs that go below
         off._ahead.close()
         off._ahead = None

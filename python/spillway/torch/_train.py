@@ -56,7 +56,7 @@ class GradLanding:
     One host wait a backward, not one a parameter. Hooks registered on the host Parameters do
     not run (autograd never accumulates into them)."""
 
-    __slots__ = ("pending", "queued", "stream", "ahead", "average", "held")
+    __slots__ = ("pending", "queued", "stream", "ahead", "average")
 
     def __init__(self, device: torch.device) -> None:
         self.pending: list = []  # (host Parameter, host tensor), in the order backward made them
@@ -64,7 +64,6 @@ class GradLanding:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ahead: Any = None  # _ahead.Updates: told of each gradient and each landing (overlap_update)
         self.average: Any = None  # _parallel.GradAverage: each gradient averaged over the ranks first
-        self.held: Any = None  # whether a gradient is read by a delayed update (overlap_update="delayed")
 
     def take(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         ours = self.average is not None
@@ -108,13 +107,10 @@ class GradLanding:
                 sums[id(p)] = [p, h]
             else:
                 e[1] = e[1] + h
-        held = self.held
         with torch.no_grad():
             for p, h in sums.values():
                 if p.grad is None:
                     p.grad = h
-                elif held is not None and held(p.grad):  # a delayed update still reads it
-                    p.grad = p.grad + h
                 else:
                     p.grad.add_(h)
 
@@ -214,7 +210,7 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
             args = (fresh(args[0]),) + args[1:]
         elif kwargs.get("closure") is not None:
             kwargs["closure"] = fresh(kwargs["closure"])
-        off._wait_update()  # the last step's update, if it still runs beside the forward
+        off.synchronize()  # the last step's update, if it still runs beside the forward
         off._landing.land()
         done: set = set()
         try:
@@ -226,12 +222,9 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
                 # the parameters trained on the device first: their step is enqueued on the
                 # device, which runs it while the host updates the others
                 device_step(off, opt, inner)
-                start = _delayed_start if off.overlap_update == "delayed" else \
-                    _overlap_start if off.overlap_update else c_step
-                start(off, step_work(opt, off, kept), done)
+                (_overlap_start if off.overlap_update else c_step)(off, step_work(opt, off, kept), done)
                 off.c_steps += 1
                 return None
-            flush_delayed(off)  # opt's own step updates the parameters themselves
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off, done)
@@ -267,16 +260,9 @@ def wrap_sync_points(off: Any, opt: Any) -> None:
             if self_ is not obj:  # a copy: its class's method
                 return getattr(type(self_), name)(self_, *args, **kwargs)
             o = ref()
-            if o is not None and not o._closed and needs(args, kwargs):
-                if name == "zero_grad" and isinstance(o._update, _overlap.Delayed):
-                    # the delayed update reads the last step's gradients until the next step:
-                    # those it holds are let go (None), not zeroed under it
-                    for g in obj.param_groups:
-                        for p in g["params"]:
-                            if p.grad is not None and o._update.holds(p.grad):
-                                p.grad = None
-                elif o._update is not None or (o._ahead is not None and o._ahead.busy()):
-                    o.synchronize()
+            if o is not None and not o._closed and needs(args, kwargs) and \
+                    (o._update is not None or (o._ahead is not None and o._ahead.busy())):
+                o.synchronize()
             return inner(*args, **kwargs)
 
         functools.update_wrapper(call, inner)
@@ -319,69 +305,6 @@ def _overlap_start(off: Any, work: Work, done: set) -> None:
     opened = {u.index for u, _ in work if u is not None}
     off.step_evictions += len(opened)  # their device copies went with the begin
     done.update(opened)
-
-
-def _delayed_start(off: Any, work: Work, done: set) -> None:
-    """overlap_update="delayed" (_overlap.Delayed): the shadows updated by the last step are
-    copied into the packs first, then this step updates the shadows (made from the parameters
-    at a parameter's first step, or after a flush). done gets every unit of opt's parameters:
-    those published had their device copies dropped at the start, the others' packs did not
-    change."""
-    shadows = off._shadows
-    by_unit: Dict[int, Tuple[_Unit, list]] = {}
-    for pid in sorted(off._dirty, key=lambda i: off._param_unit[i].index):
-        p, sh = shadows[pid]
-        u = off._param_unit[pid]
-        by_unit.setdefault(u.index, (u, []))[1].append((p.detach(), sh))
-    publish = [by_unit[i] for i in sorted(by_unit)]
-    dirty = set()
-    with torch.no_grad():
-        for _, calls in work:
-            for _, kw in calls:
-                ps = kw["params"]
-                for i, p in enumerate(ps):
-                    e = shadows.get(id(p))
-                    if e is None:
-                        e = shadows[id(p)] = (p, p.detach().clone())
-                    ps[i] = e[1]
-                    dirty.add(id(p))
-    if off._update_pool is None:
-        off._update_pool = _overlap.new_pool()
-    upd = _overlap.Delayed(publish, work, off._update_pool, off._stream())
-    upd.start()
-    off._update = upd
-    off._landing.held = upd.holds
-    off._dirty = dirty
-    off.step_evictions += len(publish)
-    done.update(u.index for u in off._param_unit.values())
-
-
-def flush_delayed(off: Any) -> None:
-    """The shadows of overlap_update="delayed" not yet copied into the packs copied now (the
-    update that wrote them is finished), each unit in its host-copy window (its device copy is
-    dropped); then the shadows are let go, so that the next step starts from the parameters as
-    they are then (a user may change them after a synchronize). Nothing to do otherwise."""
-    if not getattr(off, "_shadows", None):
-        return
-    by_unit: Dict[int, Tuple[_Unit, list]] = {}
-    for pid in off._dirty:
-        p, sh = off._shadows[pid]
-        u = off._param_unit[pid]
-        by_unit.setdefault(u.index, (u, []))[1].append((p, sh))
-    off._dirty, off._shadows = set(), {}
-    with torch.no_grad():
-        for u, pairs in by_unit.values():
-            st = _lib_c.spw_buf_host_begin(u.handle)
-            if st:
-                raise error_for(st)
-            try:
-                for p, sh in pairs:
-                    p.copy_(sh)
-            finally:
-                st = _lib_c.spw_buf_host_end(u.handle)
-            if st:
-                raise error_for(st)
-            off.step_evictions += 1
 
 
 def refresh(off: Any, done: Optional[set] = None) -> None:
