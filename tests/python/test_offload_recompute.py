@@ -135,15 +135,21 @@ def test_auto_recomputes_every_block_where_it_cannot_read_the_device():
     off.remove()
 
 
-def test_auto_learns_to_keep_what_fits():
+@pytest.mark.parametrize("uploads", [None, "first", "little", "every"])
+def test_auto_learns_to_keep_what_fits(uploads):
     """The controller with a device it can read, played on the host: a block's forward leaves
     100 bytes allocated when it keeps its activations, 10 (its output) when it runs under
     checkpoint, and its recomputation in the backward 100 while it runs; the step's peak is
     where the forward ended plus 300. Under a limit of 1000 the first step recomputes every
     block; the second keeps as many as the peak leaves room for (6: the forward ends at 620,
-    the peak at 920, under 1000 less 5%), and the choice holds."""
-    mem = [0]
-    rec = _recompute.Recompute("auto", 1000, lambda: None, lambda: mem[0] + 300, lambda: mem[0])
+    the peak at 920, under 1000 less 5%), and the choice holds. With offloaded weights sharing
+    the limit (use_allocator): uploads in the first step only (the weights fit), or of less
+    than a 64th of the limit a step (small tensors pushed out and back), change nothing;
+    uploads in every step (the weights stream) turn keeping off after the second step, for
+    good."""
+    mem, up = [0], [0]
+    counter = None if uploads is None else lambda: up[0]
+    rec = _recompute.Recompute("auto", 1000, lambda: None, lambda: mem[0] + 300, lambda: mem[0], counter)
     blocks = [nn.Linear(4, 4) for _ in range(8)]
 
     def inner_for(b):
@@ -164,8 +170,16 @@ def test_auto_learns_to_keep_what_fits():
         x.sum().backward()  # the recomputations
         mem[0] = end
         peaks.append(end + 300)
+        if uploads == "every" or (uploads == "first" and step == 0):
+            up[0] += 4096
+        elif uploads == "little":
+            up[0] += 1000 // _recompute.STREAM_FRACTION
         rec.step_done()
-    assert kept == [0] + [6] * (len(kept) - 1)
+    if uploads == "every":
+        assert kept == [0, 6] + [0] * (len(kept) - 2) and rec.streams and rec.limit is None
+        assert rec.recomputed == 8 + 2 + 8 * (len(kept) - 2)
+        return
+    assert kept == [0] + [6] * (len(kept) - 1) and not rec.streams
     assert peaks[0] == 380 and all(p <= 950 for p in peaks)
     assert rec.activation == 100 and rec.recomputed == 8 + 2 * (len(kept) - 1)
 

@@ -12,7 +12,14 @@ forward's limit F is where that step's forward ended plus what its peak left of 
 (less a margin): the peak stands above the forward's end by what the backward and the optimizer
 add, which keeping activations does not raise. A block keeps its activations when the bytes
 allocated before it plus its activations stay under F. After LEARN_STEPS steps F holds. Where
-no device limit can be read (the emulated backend), every block is recomputed."""
+no device limit can be read (the emulated backend), every block is recomputed.
+
+Under use_allocator the offloaded weights share that limit. Where they stream (a learning step
+after the first uploads more than a 64th of the limit), every block is recomputed from then on: a kept activation
+takes room from the weights, each byte of which then crosses the link every step, where
+recomputing costs the block's forward on the device; and the bytes in use, which the weights
+and their cached room fill and trims empty, say nothing of what the rest of the step will
+need (kept activations accumulated until the forward's end found no room)."""
 from __future__ import annotations
 
 import functools
@@ -31,6 +38,9 @@ LEARN_STEPS = 4
 # Of the device limit, what recompute="auto" leaves free at the step's peak: the caching
 # allocator's rounding and the variation from step to step.
 MARGIN = 0.05
+# Under use_allocator, a learning step that uploads more than this fraction of the limit (after
+# the first step) finds the offloaded weights streaming: keeping activations turns off.
+STREAM_FRACTION = 64
 
 
 def _checkpoint_function() -> Callable[..., Any]:
@@ -88,12 +98,18 @@ class Recompute:
     install; step_done() after each optimizer step (the learning of "auto")."""
 
     def __init__(self, mode: Any, limit: Optional[int], reset_peak: Callable[[], None], read_peak: Callable[[], int],
-                 used: Callable[[], int]) -> None:
+                 used: Callable[[], int], uploaded: Optional[Callable[[], int]] = None) -> None:
         self.mode = mode
         self.limit = limit  # "auto"'s device limit; None: recompute every block
         # the step's peak and the bytes in use now that the forward's limit is compared with
         # (read only where there is a limit)
         self._reset_peak, self._read_peak, self._allocated = reset_peak, read_peak, used
+        # the bytes uploaded into the limit's context so far, where offloaded weights share the
+        # limit (use_allocator): a learning step after the first that uploads more than
+        # limit / STREAM_FRACTION turns keeping off
+        self._uploaded = uploaded
+        self._uploaded_at = uploaded() if uploaded is not None else 0
+        self.streams = False  # the weights were seen streaming: every block is recomputed
         self.forward_limit: Optional[float] = None  # F: none learnt yet
         self.activation = 0  # the largest block's activations seen, bytes
         self.forward_end = 0  # allocated bytes after the last block of the last forward
@@ -165,6 +181,15 @@ class Recompute:
         if self.limit is None or self.steps > LEARN_STEPS:
             self.last_kept = 0
             return
+        if self._uploaded is not None:
+            now = self._uploaded()
+            # the first step's uploads are the weights' first; a few small tensors pushed out
+            # and brought back (a rotary table) are no stream
+            if self.steps > 1 and now - self._uploaded_at > self.limit // STREAM_FRACTION:
+                self.streams = True
+                self.limit, self.forward_limit, self.last_kept = None, None, 0
+                return
+            self._uploaded_at = now
         peak = self._read_peak()
         # the step's peak stood peak - forward_end above where its forward ended: the next
         # forward may end that much below the limit less the margin
@@ -210,7 +235,10 @@ def install(off: Any, mode: Any, shared_budget: Optional[int]) -> Optional[Recom
             # what PyTorch and the context hold now: the limit less the device's free memory (one
             # driver call; torch.cuda.memory_reserved builds its whole table of statistics)
             used = lambda: limit - torch.cuda.mem_get_info(index)[0]  # noqa: E731
-    rec = Recompute(mode, limit, reset, read, used)
+    uploaded: Optional[Callable[[], int]] = None
+    if limit is not None and shared_budget is not None:
+        uploaded = lambda: int(ctx._counter("bytes_h2d").total)  # noqa: E731
+    rec = Recompute(mode, limit, reset, read, used, uploaded)
     for b in found:
         _patch.wrap_forward(off, b, rec.wrap(b, b.forward))
     return rec

@@ -126,14 +126,15 @@ def summary(off: Any) -> str:
             g = off._average
             lines.append(f"  data parallel     gradients averaged over {g.world} ranks ({g.backend}, as "
                          f"DistributedDataParallel), {_plural(g.reductions, 'collective')}; trained "
-                         "parameters broadcast from the first rank at offload()")
+                         "parameters and buffers broadcast from the first rank at offload()")
         if off._ahead is not None:
             a = off._ahead
             lines.append(f"  updates ahead     {a.kept} parameter updates computed during the backward and kept, "
                          f"{a.dropped} computed again in the step")
     if off._recompute is not None:
         r = off._recompute
-        how = ("every block" if r.limit is None else
+        how = ("every block (the offloaded weights stream through the shared budget)" if r.streams else
+               "every block" if r.limit is None else
                f"as few blocks as keep the step under {format_size(r.limit)}, learnt over the first steps")
         lines.append(f"  recompute         {r.mode!r}: {how}; {r.recomputed} block forwards recomputed in the "
                      f"backward, {r.kept} kept their activations")
