@@ -10,6 +10,7 @@ a clear error, and bad process_group values are refused before anything moves. A
 offloaded frozen base (no optimizer=) train under DistributedDataParallel itself, bitwise."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -58,9 +59,10 @@ def adamw(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def train_pair(rank: int, micro: int, clip: float, budget: str, **offload_args):
+def train_pair(rank: int, micro: int, clip: float, budget: str, no_sync: bool = False, **offload_args):
     """STEPS steps of the offloaded model and of a DDP-wrapped resident one, each rank starting
-    from weights of its own (seeded by rank: the broadcast must make them rank 0's)."""
+    from weights of its own (seeded by rank: the broadcast must make them rank 0's). no_sync:
+    every micro-batch but the last of a step inside off.no_sync() / ddp.no_sync()."""
     m, ref = stack(rank), stack(rank)
     ddp = nn.parallel.DistributedDataParallel(ref)
     opt, opt_ref = adamw(m), adamw(ref)
@@ -71,11 +73,16 @@ def train_pair(rank: int, micro: int, clip: float, budget: str, **offload_args):
     losses = []
     for step in range(STEPS):
         for i, x in enumerate(batches(rank, step, micro)):
-            loss = moved(off, lambda: m(x).square().mean())
-            want = ddp(x).square().mean()
-            losses.append((loss.item(), want.item()))
-            loss.backward()
-            want.backward()
+            last = i == micro - 1
+            with contextlib.ExitStack() as scope:
+                if no_sync and not last:
+                    scope.enter_context(off.no_sync())
+                    scope.enter_context(ddp.no_sync())
+                loss = moved(off, lambda: m(x).square().mean())
+                want = ddp(x).square().mean()
+                losses.append((loss.item(), want.item()))
+                loss.backward()
+                want.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=clip)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=clip)
@@ -163,6 +170,8 @@ def worker(rank: int, init: str, out_dir: str) -> None:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
         result["exact"] = train_pair(rank, 1, 0.0, "10MiB", train_on_device=0.15)
         result["accumulate"] = train_pair(rank, 2, 1.0, "4MiB", train_on_device=0)
+        result["no_sync"] = train_pair(rank, 2, 0.0, "10MiB", no_sync=True, train_on_device=0.15)
+        result["synced"] = train_pair(rank, 2, 0.0, "10MiB", train_on_device=0.15)
         result["wrapped"] = wrapped(rank)
         result["none"] = not_averaged(rank)
         result["adapters"] = adapters(rank)
@@ -227,6 +236,41 @@ def test_accumulation_and_clipping_within_tolerance(ranks):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max()
         for a, b in zip(e["params"], ranks[0]["accumulate"]["params"]):
             assert torch.equal(a, b)
+
+
+def test_no_sync_accumulates_as_ddp(ranks):
+    """off.no_sync() beside ddp.no_sync() over two micro-batches a step: the parameters trained on
+    the device get DDP's arithmetic (their accumulated gradient averaged once, by the last
+    backward), the offloaded ones the same numbers to rounding (averaged every backward), so
+    the losses and weights stay within the accumulation's tolerance; fewer collectives than
+    the same run without no_sync()."""
+    for res in ranks:
+        e, d = res["no_sync"], res["synced"]
+        for loss, want in e["losses"]:
+            assert abs(loss - want) <= 1e-5 * abs(want)
+        on_device = e["stats"]["resident_trainable_bytes"] > 0
+        assert on_device
+        for a, b in zip(e["params"], e["ref"]):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        for a, b in zip(e["params"], ranks[0]["no_sync"]["params"]):
+            assert torch.equal(a, b)
+        # one collective a step for the device-trained gradients instead of one a backward
+        assert d["stats"]["gradient_reductions"] - e["stats"]["gradient_reductions"] == STEPS
+
+
+def test_no_sync_without_ranks_changes_nothing():
+    m, ref = stack(0), stack(0)
+    opt = adamw(m)
+    off = spt.offload(m, budget="4MiB", optimizer=opt, backend="emu")
+    x = batches(0, 0, 1)[0]
+    with off.no_sync():
+        m(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+    off.remove()
+    with pytest.raises(spillway.errors.StateError, match="removed"):
+        with off.no_sync():
+            pass
 
 
 def test_wrapping_in_ddp_is_an_error(ranks):

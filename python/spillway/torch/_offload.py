@@ -621,6 +621,26 @@ class Offload:
             if not self._closed:
                 self._step_end()
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DistributedDataParallel.no_sync() for a model trained through the offload over several
+        ranks (process_group): the gradients of the parameters trained on the device are not
+        averaged by the backward passes inside, only accumulated, and the first backward after
+        it averages what they accumulated, as under DDP. The offloaded parameters' gradients
+        are still averaged by each backward, on the device before their copy to the host
+        (averaging their accumulated sum would take it through the device again): the same
+        numbers to rounding. Without data parallelism it does nothing."""
+        self._live()
+        avg = self._average
+        if avg is None:
+            yield
+            return
+        avg.paused += 1
+        try:
+            yield
+        finally:
+            avg.paused -= 1
+
     # ------------------------------------------------------------------ observability
     def _live(self) -> None:
         if self._closed:

@@ -64,7 +64,8 @@ class GradAverage:
     the end of each backward that gave them one. Every rank must run the same backward, as
     under DistributedDataParallel: the collectives are matched in the order they are made."""
 
-    __slots__ = ("group", "world", "scale", "backend", "accumulators", "hooks", "fired", "queued", "reductions")
+    __slots__ = ("group", "world", "scale", "backend", "accumulators", "hooks", "fired", "queued", "reductions",
+                 "paused")
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -76,6 +77,9 @@ class GradAverage:
         self.fired: List[torch.Tensor] = []  # device-trained parameters given a gradient in this backward
         self.queued = False
         self.reductions = 0  # collectives made
+        # inside Offload.no_sync(): the device-trained gradients accumulate (fired keeps them)
+        # and the next backward outside it averages them
+        self.paused = 0
 
     def average(self, grad: torch.Tensor) -> torch.Tensor:
         """grad averaged over the ranks, a new tensor (grad is autograd's: left as it is). With
@@ -99,7 +103,7 @@ class GradAverage:
     def _hook_for(self, p: torch.Tensor) -> Any:
         def fired(*_: Any) -> None:
             self.fired.append(p)
-            if not self.queued:
+            if not self.queued and not self.paused:
                 self.queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         return fired
@@ -108,6 +112,8 @@ class GradAverage:
         """The device-trained gradients of this backward averaged: one collective per dtype over
         their concatenation, each parameter once, in the order backward reached them."""
         self.queued = False
+        if self.paused:  # a backward begun outside no_sync() that ended inside it
+            return
         seen: set = set()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for p in self.fired:
