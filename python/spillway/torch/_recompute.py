@@ -15,11 +15,11 @@ allocated before it plus its activations stay under F. After LEARN_STEPS steps F
 no device limit can be read (the emulated backend), every block is recomputed.
 
 Under use_allocator the offloaded weights share that limit. Where they stream (a learning step
-after the first uploads more than a 64th of the limit), every block is recomputed from then on: a kept activation
-takes room from the weights, each byte of which then crosses the link every step, where
-recomputing costs the block's forward on the device; and the bytes in use, which the weights
-and their cached room fill and trims empty, say nothing of what the rest of the step will
-need (kept activations accumulated until the forward's end found no room)."""
+after the first uploads more than a 64th of the limit), every block is recomputed from then
+on: a kept activation takes room from the weights, each byte of which then crosses the link
+every step, where recomputing costs the block's forward on the device; and the bytes in use,
+which the weights and their cached room fill and trims empty, say nothing of what the rest of
+the step will need (kept activations accumulated until the forward's end found no room)."""
 from __future__ import annotations
 
 import functools

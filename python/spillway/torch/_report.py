@@ -125,7 +125,7 @@ def summary(off: Any) -> str:
         if off._average is not None:
             g = off._average
             lines.append(f"  data parallel     gradients averaged over {g.world} ranks ({g.backend}, as "
-                         f"DistributedDataParallel), {_plural(g.reductions, 'collective')}; trained "
+                         f"DistributedDataParallel), {_plural(g.reductions, 'collective')}; "
                          "parameters and buffers broadcast from the first rank at offload()")
         if off._ahead is not None:
             a = off._ahead
