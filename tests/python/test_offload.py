@@ -331,6 +331,44 @@ def test_backward_through_frozen_offloaded_weights():
     off.remove()
 
 
+class WithAdapter(nn.Module):
+    """Eight Linear(512, 512) (8 MiB) and, when one is set, an adapter added to their output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(8))
+        self.adapter: Optional[nn.Module] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x if self.adapter is None else x + self.adapter(x)
+
+
+def test_a_module_added_after_offload_on_another_device_is_named():
+    """A module added after offload() on another device than the offload's (peft's adapters, made
+    beside the host copies of the weights they wrap; here a module on "meta", the emu backend's
+    device being the host): PyTorch's device mismatch becomes a ConfigError naming its tensors
+    and what to do; the offload stays usable. Other errors of the forward pass through as they are."""
+    m = WithAdapter()
+    off = spt.offload(m, budget="4MiB", backend="emu")
+    x = torch.randn(2, 512)
+    m.adapter = nn.Linear(512, 512, device="meta")
+    with pytest.raises(spillway.ConfigError, match=r"'adapter.weight' \(meta\), 'adapter.bias' \(meta\) not offloaded") as e:
+        with torch.no_grad():
+            m(x)
+    assert "add them before offload()" in str(e.value) and "same device" in str(e.value.__cause__)
+    m.adapter = nn.Linear(512, 7)  # a shape error of the caller's own: raised as PyTorch's
+    with pytest.raises(RuntimeError) as e2, torch.no_grad():
+        m(x)
+    assert not isinstance(e2.value, spillway.ConfigError)
+    m.adapter = None
+    with torch.no_grad():
+        assert m(x).shape == (2, 512) and not off._acquired
+    off.remove()
+
+
 def test_adapters_beside_blocks_called_one_by_one_get_exact_gradients():
     """Frozen blocks called one by one from the caller's loop (the offloaded module's own forward
     never runs), adapters added beside each: backward reads every weight as it was in forward,

@@ -1,12 +1,13 @@
 """spillway.torch's exceptions: the library's, and where PyTorch has its own kind, both."""
 from __future__ import annotations
 
-from typing import Any, List
+import itertools
+from typing import Any, List, Optional
 
 import torch
 
 from .. import errors as _errors
-from ..errors import StateError
+from ..errors import ConfigError, StateError
 
 _TorchOOM = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
 
@@ -43,3 +44,24 @@ def _needs_grad(name: str) -> Any:
             torch.autograd.Variable._execution_engine.queue_callback(_raise_needed_grads)
         _needed_grads.append(name)
     return hook
+
+
+def stray_error(off: Any, error: BaseException) -> Optional[ConfigError]:
+    """For a forward of off's module that failed with PyTorch's device mismatch ("same device"
+    in its message): a ConfigError naming the module's parameters and buffers that the offload
+    does not hold and that lie on another device than its own (modules added after offload():
+    peft creates adapters on the device of the weights they wrap, which offload() keeps on the
+    host between forwards); None otherwise (the error is the caller's own)."""
+    if not isinstance(error, RuntimeError) or "same device" not in str(error):
+        return None
+    held = {id(e.tensor) for u in off.units for e in u.entries}
+    stray = [(n, t.device) for n, t in itertools.chain(off.module.named_parameters(), off.module.named_buffers())
+             if id(t) not in held and t.device != off.device]
+    if not stray:
+        return None
+    shown = ", ".join(f"{n!r} ({d})" for n, d in stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
+    return ConfigError(
+        f"spillway.torch: the forward mixes devices: {shown} not offloaded and not on {off.device}, where the "
+        "offloaded module runs. Modules added after offload() stay where they were made (peft makes adapters on "
+        "the device of the weights they wrap, which offload() keeps on the host between forwards): add them "
+        "before offload() (remove() it, add them, offload again), or move those modules to the device.")

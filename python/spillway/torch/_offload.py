@@ -85,7 +85,7 @@ from .. import _lib
 from ..errors import StateError, error_for
 from .. import errors as _errors
 from . import _alloc, _build, _edits, _parallel, _patch, _report, _train, _views
-from ._errors import OutOfMemoryError
+from ._errors import OutOfMemoryError, stray_error
 from ._saved import saving
 from ._units import _DevSet, _Unit, _columns, _storage_at
 
@@ -547,7 +547,13 @@ class Offload:
             for u in self._top_units:
                 self._acquire(u)
             self._count_hook(time.perf_counter_ns() - t0, len(self._top_units))
-            return inner(*args, **kwargs)
+            try:
+                return inner(*args, **kwargs)
+            except RuntimeError as e:  # a device mismatch caused by modules added after offload(): say so
+                stray = stray_error(self, e)
+                if stray is None:
+                    raise
+                raise stray from e
         finally:
             try:
                 # normally only the top level's own units are left; after an exception, everything
