@@ -199,6 +199,7 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
     res: Dict[str, Any] = {"model": key, "variant": name, "budget": budget, "weights": total, "steps": steps,
                            "steady_ms": statistics.median(steady), "first20_ms": sum(first),
                            "first20_over_steady": sum(first) / (len(first) * statistics.median(steady)),
+                           "first20_step_ms": [round(t, 1) for t in first],
                            "peak_reserved": torch.cuda.max_memory_reserved(), "equal": bool(torch.equal(out, ref))}
     res["peak_device"] = res["peak_reserved"]
     if handle is not None:
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--slow-steps", type=int, default=4, help="steps for accelerate (far slower)")
     ap.add_argument("--smoke", action="store_true", help="tiny configs: check the script, time nothing")
+    ap.add_argument("--per-step", action="store_true", help="print each of the first 20 steps' time")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # model:budget:variant, in a child process
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -282,6 +284,8 @@ def main() -> None:
                       f"{r['peak_device'] / GiB:6.2f} G {r['equal']}", flush=True)
                 if r.get("policy"):
                     print(f"{'':14} {r['policy']}", flush=True)  # the pipeline plan's timing chose
+                if args.per_step:
+                    print(f"{'':14} first 20 steps, ms: {' '.join(f'{t:.0f}' for t in r['first20_step_ms'])}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
