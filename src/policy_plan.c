@@ -271,7 +271,7 @@ static void trials_start(spw_policy *p) {
     p->trials_left_out = 0;
     p->trial_step = 0;
     memset(p->trial_ns, 0, sizeof p->trial_ns);
-    memset(p->trial_bytes, 0, sizeof p->trial_bytes);
+    memset(p->trial_t, 0, sizeof p->trial_t);
     p->early_max = EARLY_TRIALS[0];
     p->slot_left = false;
 }
@@ -282,43 +282,48 @@ static void recheck(spw_policy *p, uint64_t now) {
     uint32_t n = ++p->since_tuned;
     if (n % RECHECK_EVERY || !p->last_exact || !p->step_t0) return;
     double step = (double)(now - p->step_t0);
-    double chosen = (double)p->trial_ns[p->chosen] / (TRIAL_STEPS - 1);
+    double chosen = (double)p->trial_ns[p->chosen];
     if (step > chosen * RETUNE_RATIO || step * RETUNE_RATIO < chosen) {
         p->retunes++;
         trials_start(p);
     }
 }
 
-/* prefetch_early=auto: every step of a trial but its first that followed its plan to the end is
- * timed, from its step_begin to the next one, and ends waiting for its device work (time_steps),
- * so the time is the device's even for a caller that never waits; after the last trial the
- * fastest pipeline stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing
- * and is retried. */
+/* prefetch_early=auto: the steps of a trial that followed their plan to the end are timed, from
+ * their step_begin to the next one, and end waiting for their device work (time_steps), so the
+ * time is the device's even for a caller that never waits. A timed step is scaled to the bytes its
+ * pipeline moves in the long run (expected_bytes). After the last trial the fastest pipeline
+ * stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
     if (chosen_by_timing(p)) recheck(p, now);
     skip_split_trials(p);
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
-    if (p->trial_step++ > 0) { /* the first step of a trial settles the change of resident set */
-        p->trial_ns[p->trial] += now - p->step_t0;
-        p->trial_bytes[p->trial] += bytes_moved(p) - p->step_bytes0;
+    uint64_t ns = now - p->step_t0;
+    int k = p->trial_step++;
+    if (k < TRIAL_STEPS - 1) { /* the settle step */
+        p->settle_ns = ns;
+        return;
     }
-    if (p->trial_step < TRIAL_STEPS) return;
+    uint64_t b = bytes_moved(p) - p->step_bytes0;
+    double e = expected_bytes(p, EARLY_TRIALS[p->trial], b);
+    double t = (double)ns * (b > 0 ? e / (double)b : 1.0);
+    if (k == TRIAL_STEPS - 1 || t < p->trial_t[p->trial]) {
+        p->trial_t[p->trial] = t;
+        p->trial_ns[p->trial] = ns;
+    }
+    if (k == TRIAL_STEPS - 1 && t > (double)p->settle_ns) return; /* a hiccup: timed once more */
     p->trial_step = 0;
     if (++p->trial < N_TRIALS) {
         p->early_max = EARLY_TRIALS[p->trial];
         return;
     }
     int best = -1;
-    double best_t = 0, timed = TRIAL_STEPS - 1;
+    double best_t = 0;
     for (int i = 0; i < N_TRIALS; i++) {
         if (p->trials_left_out >> i & 1) continue;
-        double b = (double)p->trial_bytes[i];
-        double e = timed * expected_bytes(p, EARLY_TRIALS[i], p->trial_bytes[i] / (uint64_t)timed);
-        double t = (double)p->trial_ns[i] * (b > 0 ? e / b : 1.0);
-        p->trial_t[i] = t;
-        if (best < 0 || t < best_t) {
+        if (best < 0 || p->trial_t[i] < best_t) {
             best = i;
-            best_t = t;
+            best_t = p->trial_t[i];
         }
     }
     /* timed again: the pipeline in force stays unless clearly beaten */
@@ -683,12 +688,12 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
                  p->retunes ? ", again: the step time moved" : "");
     } else if (chosen_by_timing(p) && p->trials_left_out) {
-        double per_step = 1e6 * (TRIAL_STEPS - 1);
+        double per_step = 1e6;
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms; "
                        "the splits not tried: the step writes buffers)", pipeline_name(p->early_max),
                  (double)p->trial_ns[trial_of(PF_OFF)] / per_step, (double)p->trial_ns[trial_of(0)] / per_step);
     } else if (chosen_by_timing(p)) {
-        double per_step = 1e6 * (TRIAL_STEPS - 1);
+        double per_step = 1e6;
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
                  (double)p->trial_ns[trial_of(PF_OFF)] / per_step, (double)p->trial_ns[trial_of(0)] / per_step,

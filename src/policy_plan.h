@@ -20,9 +20,11 @@ extern _Thread_local int spw__plan_hash_oom;
 #define FAR UINT64_MAX
 #define LOOKAHEAD_MAX 64 /* plan entries examined for prefetch after one acquisition */
 /* Pipelines tried by prefetch_early=auto, each for TRIAL_STEPS steps: the first settles the change
- * of resident set, the others are timed together (one step alone is at the mercy of one hiccup of
- * the host or the link, which can be as large as the differences between pipelines); the fastest
- * is kept.
+ * of resident set, the second is timed. The settle step pays the change of resident set on top of
+ * a step, so a timed step slower than it met a hiccup of the host or the link (which can be as
+ * large as the differences between pipelines): it is timed once more and the faster of the two
+ * counts. Every trial step of a loser is paid in the first steps of a run that is often short (a
+ * sampler's 20-50 steps), so a trial takes no more steps than that; the fastest is kept.
  * OFF: no prefetch at all, user hints declined: the fewest bytes (Belady's schedule), each
  * transfer serialised with the work that frees its room; worth it where work hides less than a
  * transfer (small batches).
@@ -43,7 +45,7 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_STATIC (-2)
 #define PF_SLOT (-3)
 #define N_TRIALS 4
-#define TRIAL_STEPS 3
+#define TRIAL_STEPS 2
 /* After the choice, two steps in every RECHECK_EVERY end waiting for their device work, and the
  * second is timed as a trial step was. A time off the chosen pipeline's trial time by more than
  * RETUNE_RATIO either way (the work of a step changed: another batch size, another sequence
@@ -117,8 +119,8 @@ struct spw_policy {
     int early_max;         /* the depth in force */
     int trial;             /* index into EARLY_TRIALS of the step being timed; -1: tuned */
     int trial_step;        /* steps run of the current trial */
-    uint64_t trial_ns[N_TRIALS];
-    uint64_t trial_bytes[N_TRIALS]; /* bytes moved in each timed trial step */
+    uint64_t trial_ns[N_TRIALS];    /* each trial's step as timed (the faster if timed twice) */
+    uint64_t settle_ns;             /* the current trial's settle step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
     unsigned trials_left_out;       /* bit i: EARLY_TRIALS[i] is not tried (a step that writes: no split) */
     int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
