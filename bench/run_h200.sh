@@ -135,8 +135,8 @@ if has offload; then
   log "bench/peers/torch_offload.py"
   pyrun torch_offload 540 bench/peers/torch_offload.py ${OFFLOAD_ARGS:-}
 fi
-# diffusers is not on the GPU machine's image: its src/ is carried in .peers/src (never committed)
-DIFFUSERS_PATH=${DIFFUSERS:-$PWD/.peers}/src
+# diffusers is not on the GPU machine's image: its src/ is carried in .peers/diffusers/src (never committed)
+DIFFUSERS_PATH=${DIFFUSERS:-$PWD/.peers/diffusers}/src
 if has diffusion; then
   log "bench/peers/torch_diffusion.py"
   PYEXTRA=$DIFFUSERS_PATH pyrun torch_diffusion 580 bench/peers/torch_diffusion.py ${DIFFUSION_ARGS:-}

@@ -13,7 +13,7 @@ start), the median host time per acquire, bytes uploaded and trims a step, the p
 chose, and whether the output equals resident's bitwise; per round and variant, its first --warm
 steps one by one.
 
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$PWD/.peers/src \\
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$PWD/.peers/diffusers/src \\
         python3 bench/dev/diffusion_ab.py --model sd15 --budget 0.40 \\
         --variants 'plan;plan:prefetch_thread=off;lru'
 
