@@ -7,8 +7,8 @@
     print(off.summary())
 
 See offload() for what is offloaded and what the budget covers. use_allocator(budget=...) puts
-every CUDA allocation of PyTorch under one spillway budget per device, shared with offload(). Importing this module imports
-torch; `import spillway` alone never does.
+every CUDA allocation of PyTorch under one spillway budget per device, shared with offload().
+Importing this module imports torch; `import spillway` alone never does.
 """
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ from torch import nn
 
 Group = List[nn.Module]  # modules whose tensors form one unit
 
-_LO_MAX = 64 << 20
+_LO_MAX = 64 << 20  # units of this size already make a hook's host time a small part of the upload
 # Modules whose forward reads their children's weights directly (torch's fused attention and
 # transformer-layer paths take out_proj.weight, linear1.weight, ...): never split from them.
-_ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)  # units of this size already make a hook's host time a small part of the upload
+_ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
 
 
 def bounds(budget: int, streamed: int = 0) -> "tuple[int, int]":

@@ -145,7 +145,8 @@ def summary(off: Any) -> str:
         nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
         shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")
         if off.optimizer is not None:
-            lines.append(f"  trained on device {_plural(len(off._trainable), 'trainable parameter')}, {format_size(nb)} "
+            lines.append(f"  trained on device {_plural(len(off._trainable), 'trainable parameter')}, "
+                         f"{format_size(nb)} "
                          f"({format_size(off.device_trained_bytes)} of the budget with their gradients and state), "
                          f"by {type(off.optimizer).__name__}'s own step: {shown}")
         else:
@@ -162,7 +163,8 @@ def summary(off: Any) -> str:
         f"prefetched {format_size(s['plan_prefetch_bytes']['total'])} "
         f"(wasted {format_size(s['plan_prefetch_wasted']['total'])})",
         f"  hooks             {off.acquires} acquires, host time per acquire {_median_us(off._hook_hist):.1f} us "
-        f"median, {off.hook_ns / max(off.acquires, 1) / 1000:.1f} us mean; device tensors reused {off.acquires - off.view_builds} / re-pointed "
+        f"median, {off.hook_ns / max(off.acquires, 1) / 1000:.1f} us mean; "
+        f"device tensors reused {off.acquires - off.view_builds} / re-pointed "
         f"{off.view_builds}",
         "",
         off.context.summary(),

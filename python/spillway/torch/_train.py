@@ -124,7 +124,8 @@ class ToHost(torch.autograd.Function):
     kept)."""
 
     @staticmethod
-    def forward(ctx: Any, host: torch.Tensor, dev: torch.Tensor, landing: GradLanding) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+            ctx: Any, host: torch.Tensor, dev: torch.Tensor, landing: GradLanding) -> torch.Tensor:
         ctx.host = host
         ctx.landing = landing
         return dev.view_as(dev)
