@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "policy_plan.h"
+#include "size.h"
 
 _Thread_local int spw__plan_hash_oom;
 
@@ -163,7 +164,7 @@ static bool prefetching(const spw_ctx *ctx) {
 static bool auto_pipeline(const spw_ctx *ctx) { return ctx->cfg.prefetch_early < 0 && prefetching(ctx); }
 
 /* A pipeline was chosen by timing and is in force (then rechecked); false while timing. */
-static bool chosen_by_timing(const spw_policy *p) { return p->trial < 0 && auto_pipeline(p->ctx); }
+static bool chosen_by_timing(const spw_policy *p) { return p->trial < 0 && auto_pipeline(p->ctx) && !p->all_fit; }
 
 static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     spw_policy *p = calloc(1, sizeof *p);
@@ -289,12 +290,33 @@ static void recheck(spw_policy *p, uint64_t now) {
     }
 }
 
+/* prefetch_early=auto with a plan whose buffers all fit the capacity: nothing streams, whichever
+ * pipeline runs, so none is timed (a split's trial steps would pay for its layout, and every
+ * trial step ends waiting, for nothing); the double buffer stays. A plan that stops fitting (the
+ * capacity shrank, the plan grew) starts the trials. True while everything fits. */
+static bool trials_skipped(spw_policy *p) {
+    if (!auto_pipeline(p->ctx) || !p->nplan || !p->index) return false;
+    bool fit = spw__plan_total(p) <= spw__plan_capacity(p);
+    if (fit && !p->all_fit) {
+        p->all_fit = true;
+        p->trial = -1;
+        p->chosen = trial_of(0);
+        p->early_max = 0;
+        fix_for_pipeline(p);
+    } else if (!fit && p->all_fit) {
+        p->all_fit = false;
+        trials_start(p);
+    }
+    return fit;
+}
+
 /* prefetch_early=auto: the steps of a trial that followed their plan to the end are timed, from
  * their step_begin to the next one, and end waiting for their device work (time_steps), so the
  * time is the device's even for a caller that never waits. A timed step is scaled to the bytes its
  * pipeline moves in the long run (expected_bytes). After the last trial the fastest pipeline
  * stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
+    if (trials_skipped(p)) return;
     if (chosen_by_timing(p)) recheck(p, now);
     skip_split_trials(p);
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
@@ -684,6 +706,11 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     size_t n = len - (size_t)w;
     if (!prefetching(p->ctx)) {
         snprintf(b, n, "no prefetch (%s)", pf == SPW_TRI_OFF ? "prefetch=off" : "emu: no transfer time to hide");
+    } else if (p->all_fit) {
+        char tot[SPW_SIZE_FMT_MAX], cap[SPW_SIZE_FMT_MAX];
+        snprintf(b, n, "pipeline double buffer; everything fits (%s of %s): no pipeline timed",
+                 spw__size_format(tot, sizeof tot, spw__plan_total(p)),
+                 spw__size_format(cap, sizeof cap, spw__plan_capacity(p)));
     } else if (p->trial >= 0) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
                  p->retunes ? ", again: the step time moved" : "");

@@ -130,6 +130,7 @@ struct spw_policy {
     bool slot_step_broken;          /* SLOT: a take-up since the current step began */
     int64_t trims_seen;             /* the context's trim_syncs when the current step began */
     bool slot_left;                 /* SLOT was chosen, then left (its room did not hold) */
+    bool all_fit;                   /* the plan's buffers fit the capacity: no pipeline timed */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */
     bool last_exact;       /* the step that just ended followed its plan to the end */
@@ -153,6 +154,8 @@ static inline kbuf *kb_of(spw_buf *b) { return spw__pol_node(b)->data; }
 size_t spw__plan_capacity(spw_policy *p);
 /* Largest buffer the plan reads. */
 size_t spw__plan_largest(const spw_policy *p);
+/* The bytes of the distinct buffers of the plan (each rounded as the arena rounds it). */
+size_t spw__plan_total(spw_policy *p);
 /* The mean upload bytes of a pass in the cycle Belady settles to within `cap`; 0 when it
  * cannot say. */
 double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods);

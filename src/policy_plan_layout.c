@@ -97,6 +97,16 @@ size_t spw__plan_largest(const spw_policy *p) {
     return m;
 }
 
+size_t spw__plan_total(spw_policy *p) {
+    size_t total = 0;
+    for (size_t i = 0; i < p->nplan; i++) {
+        kpos *e = NULL;
+        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
+        if (e && e->pos[0] == i) total += SPW_ALIGN_UP(p->plan[i].bytes, 512); /* first uses only */
+    }
+    return total;
+}
+
 /* The mean upload bytes of a pass in the cycle Belady settles to within `cap` (at most 2^16
  * plan entries simulated); 0 when it cannot say. */
 double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods) {

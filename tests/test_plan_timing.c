@@ -139,6 +139,50 @@ static void a_hiccup_in_a_trial_does_not_decide(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* Everything fits the budget: nothing streams whichever pipeline runs, so none is timed (no step
+ * waits for the device, the splits' layouts are not paid for); the summary says so. When the
+ * plan then needs more than the budget (a ninth buffer of 32 MiB joins each step), the pipelines
+ * are timed. */
+static void nothing_timed_when_everything_fits(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 8 };
+    const size_t sz = 8 * MiB;
+    spw_ctx *ctx = test_ctx("budget=80MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
+    spw_buf *b[NB + 1];
+    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
+    assert_ok(spw_buf_create(ctx, 32 * MiB, SPW_BUF_READ_ONLY, &b[NB]));
+    long none = 0;
+    for (int s = 0; s < 24; s++) {
+        int n = s < 12 ? NB : NB + 1;
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < n; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, &none));
+            assert_ok(spw_release(b[i], NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        if (s == 11) {
+            char *text = test_summary(ctx, 0);
+            const char *line = strstr(text, "policy plan");
+            if (!strstr(text, "everything fits (64.00 MiB of 80.00 MiB): no pipeline timed"))
+                fail_msg("want no pipeline timed while everything fits: %.200s", line);
+            assert_int_equal(test_stats(ctx).bytes_h2d.total, (int64_t)(NB * sz)); /* each once */
+            free(text);
+        }
+    }
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    char *text = test_summary(ctx, 0);
+    const char *line = strstr(text, "policy plan");
+    if (!strstr(text, "chosen by timing") && !strstr(text, "timing pipelines"))
+        fail_msg("want the pipelines timed once the plan outgrows the budget: %.200s", line);
+    free(text);
+    assert_int_equal(test_stats(ctx).plan_divergences.total, 1); /* the step where the ninth buffer joined */
+    for (int i = 0; i <= NB; i++) spw_buf_destroy(b[i]);
+    spw_ctx_destroy(ctx);
+}
+
 /* A step that writes buffers (a forward keeping activations that its backward reads in reverse):
  * the splits, made for one fixed cycle of reads, are not tried, and the two others are. 8
  * read-only weights and 8 written activations of 4 MiB, room for 10 of 16. */
@@ -184,6 +228,7 @@ int main(void) {
         cmocka_unit_test(pipeline_timed_again_when_the_work_changes),
         cmocka_unit_test(splits_not_tried_where_the_step_writes),
         cmocka_unit_test(a_hiccup_in_a_trial_does_not_decide),
+        cmocka_unit_test(nothing_timed_when_everything_fits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -296,3 +296,37 @@ def test_backward_composes_with_other_saved_tensor_hooks(how):
     """Activation checkpointing (both kinds) inside the offloaded model and save_on_cpu around
     it keep their role beside offload()'s saved-tensor records: gradients bitwise equal."""
     check_backward_composes(how, DEV, **CUDA)
+
+
+class _WithAdapter(nn.Module):
+    """Eight Linear(1024, 1024) (32 MiB fp32) and, when one is set, an adapter added to their output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(8))
+        self.adapter = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x if self.adapter is None else x + self.adapter(x)
+
+
+def test_a_module_added_after_offload_stays_on_the_host_and_is_named():
+    """peft's situation on a real device: a module made after offload() beside the weights' host
+    copies (on the CPU) and used in the forward: PyTorch's device mismatch becomes a ConfigError
+    naming it; moved to the device, the forward runs and equals the resident model's."""
+    m = frozen(_WithAdapter()).to(DEV)
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="12MiB", **CUDA)
+    x = torch.randn(4, 1024, device=DEV)
+    m.adapter = nn.Linear(1024, 1024)  # on the CPU, as the offloaded weights are between forwards
+    with pytest.raises(spillway.ConfigError, match=r"'adapter.weight' \(cpu\), 'adapter.bias' \(cpu\) not offloaded"):
+        with torch.no_grad():
+            m(x)
+    assert not off._acquired
+    m.adapter.to(DEV)
+    ref.adapter = copy.deepcopy(m.adapter)
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    off.remove()
