@@ -290,13 +290,20 @@ static void recheck(spw_policy *p, uint64_t now) {
     }
 }
 
-/* prefetch_early=auto with a plan whose buffers all fit the capacity: nothing streams, whichever
- * pipeline runs, so none is timed (a split's trial steps would pay for its layout, and every
- * trial step ends waiting, for nothing); the double buffer stays. A plan that stops fitting (the
- * capacity shrank, the plan grew) starts the trials. True while everything fits. */
+static int64_t evictions(const spw_policy *p) {
+    return p->ctx->stats.evictions_clean.total + p->ctx->stats.evictions_dirty.total;
+}
+
+/* prefetch_early=auto with a plan whose buffers all fit the capacity and a step that evicted
+ * nothing: nothing streams, whichever pipeline runs, so none is timed (a split's trial steps
+ * would pay for its layout, and every trial step ends waiting, for nothing); the double buffer
+ * stays. The capacity is measured between steps: allocations made during a step (PyTorch's,
+ * under use_allocator) that push the plan's buffers out show as evictions. A plan that stops
+ * fitting (the capacity shrank, the plan grew, something evicted) starts the trials. True while
+ * everything fits. */
 static bool trials_skipped(spw_policy *p) {
     if (!auto_pipeline(p->ctx) || !p->nplan || !p->index) return false;
-    bool fit = spw__plan_total(p) <= spw__plan_capacity(p);
+    bool fit = evictions(p) == p->evictions0 && spw__plan_total(p) <= spw__plan_capacity(p);
     if (fit && !p->all_fit) {
         p->all_fit = true;
         p->trial = -1;
@@ -397,6 +404,7 @@ static void plan_step_begin(spw_policy *p) {
     p->following = p->nplan > 0 && p->index;
     uint64_t now = spw__now_ns();
     tune_early(p, now);
+    p->evictions0 = evictions(p);
     p->last_exact = false;
     p->step_t0 = now;
     p->step_bytes0 = bytes_moved(p);
