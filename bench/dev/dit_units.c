@@ -11,6 +11,9 @@
  *       -lpthread -lz -lm -ldl -Wl,-rpath,/usr/local/cuda/lib64 -o /tmp/dit_units
  *   /tmp/dit_units MODE [BUDGET [OPTIONS]]
  *     MODE: -1 no prefetch, 0 double buffer, -2 static split, -3 split with one slot
+ * Environment: DIT_SCALE=S multiplies the blocks (S=8: a quarter of Flux, 162 and 67.5 MiB, for
+ * a budget of 2GiB); DIT_HEAD_MIB and DIT_TAIL_MIB give the first and last units other sizes than
+ * 2 MiB (Flux's embedders as one unit and its output layers: 62 and 36 MiB, scaled).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,9 +37,12 @@ int main(int argc, char **argv) {
     if (!ctx) return 1;
     spw_buf *b[N];
     size_t size[N];
-    size[0] = size[N - 1] = 2 * MiB;
-    for (int i = 1; i <= 19; i++) size[i] = 20 * MiB;
-    for (int i = 20; i < N - 1; i++) size[i] = 8 * MiB;
+    const char *sc = getenv("DIT_SCALE"), *head = getenv("DIT_HEAD_MIB"), *tail = getenv("DIT_TAIL_MIB");
+    double scale = sc ? atof(sc) : 0;
+    size[0] = head ? (size_t)(atof(head) * MiB) / 512 * 512 : 2 * MiB;
+    size[N - 1] = tail ? (size_t)(atof(tail) * MiB) / 512 * 512 : 2 * MiB;
+    for (int i = 1; i <= 19; i++) size[i] = scale > 0 ? (size_t)(20.25 * scale * MiB) / 512 * 512 : 20 * MiB;
+    for (int i = 20; i < N - 1; i++) size[i] = scale > 0 ? (size_t)(8.44 * scale * MiB) / 512 * 512 : 8 * MiB;
     spw_stream s;
     for (int i = 0; i < N; i++)
         if (spw_buf_create(ctx, size[i], SPW_BUF_READ_ONLY, &b[i])) goto fail;
