@@ -24,7 +24,8 @@ import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import check_backward_composes, frozen, greedy, make_decoder, make_stack, moved, same  # noqa: E402
+from models import (WithAdapter, check_backward_composes, frozen, greedy, make_decoder, make_stack,  # noqa: E402
+                    moved, same)
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device())
@@ -298,25 +299,11 @@ def test_backward_composes_with_other_saved_tensor_hooks(how):
     check_backward_composes(how, DEV, **CUDA)
 
 
-class _WithAdapter(nn.Module):
-    """Eight Linear(1024, 1024) (32 MiB fp32) and, when one is set, an adapter added to their output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(8))
-        self.adapter = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x if self.adapter is None else x + self.adapter(x)
-
-
 def test_a_module_added_after_offload_stays_on_the_host_and_is_named():
     """peft's situation on a real device: a module made after offload() beside the weights' host
     copies (on the CPU) and used in the forward: PyTorch's device mismatch becomes a ConfigError
     naming it; moved to the device, the forward runs and equals the resident model's."""
-    m = frozen(_WithAdapter()).to(DEV)
+    m = frozen(WithAdapter(dim=1024)).to(DEV)  # 32 MiB fp32
     ref = copy.deepcopy(m)
     off = spt.offload(m, budget="12MiB", **CUDA)
     x = torch.randn(4, 1024, device=DEV)

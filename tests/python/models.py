@@ -121,6 +121,22 @@ def make_stack(seed: int = 0, dim: int = 64, depth: int = 6) -> nn.Sequential:
     return nn.Sequential(*layers).eval()
 
 
+class WithAdapter(nn.Module):
+    """Eight Linear(dim, dim) and, when one is set, an adapter added to their output (a module
+    added after offload(), as peft adds adapters)."""
+
+    def __init__(self, dim: int = 512) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(8))
+        self.adapter: Optional[nn.Module] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x if self.adapter is None else x + self.adapter(x)
+
+
 def greedy(model, ids: torch.Tensor, steps: int):
     """A KV-cache generation loop: the prompt, then one token per forward."""
     logits, caches = model(ids)

@@ -14,7 +14,8 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import check_backward_composes, fail_at_call, frozen, greedy, make_decoder, make_stack, moved, same
+from models import (WithAdapter, check_backward_composes, fail_at_call, frozen, greedy, make_decoder, make_stack,
+                    moved, same)
 
 MiB = 1 << 20
 EMU = dict(backend="emu")
@@ -329,21 +330,6 @@ def test_backward_through_frozen_offloaded_weights():
     assert h["saved_packed"] > 0 and h["saved_reacquires"] > 0
     assert off.stats()["pinned"]["current"] == 0
     off.remove()
-
-
-class WithAdapter(nn.Module):
-    """Eight Linear(512, 512) (8 MiB) and, when one is set, an adapter added to their output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(8))
-        self.adapter: Optional[nn.Module] = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x if self.adapter is None else x + self.adapter(x)
 
 
 def test_a_module_added_after_offload_on_another_device_is_named():
