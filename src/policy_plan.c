@@ -702,6 +702,9 @@ static const char *pipeline_name(int mode) {
                                : "early prefetch";
 }
 
+/* Pipeline `mode`'s trial step as timed, in ms. */
+static double trial_ms(const spw_policy *p, int mode) { return (double)p->trial_ns[trial_of(mode)] / 1e6; }
+
 static void plan_describe(spw_policy *p, char *buf, size_t len) {
     spw_tristate pf = p->ctx->cfg.prefetch;
     if (!p->nplan) {
@@ -723,16 +726,13 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
                  p->retunes ? ", again: the step time moved" : "");
     } else if (chosen_by_timing(p) && p->trials_left_out) {
-        double per_step = 1e6;
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms; "
                        "the splits not tried: the step writes buffers)", pipeline_name(p->early_max),
-                 (double)p->trial_ns[trial_of(PF_OFF)] / per_step, (double)p->trial_ns[trial_of(0)] / per_step);
+                 trial_ms(p, PF_OFF), trial_ms(p, 0));
     } else if (chosen_by_timing(p)) {
-        double per_step = 1e6;
         snprintf(b, n, "pipeline %s, chosen by timing (a step: no prefetch %.1f ms, double buffer %.1f ms, "
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
-                 (double)p->trial_ns[trial_of(PF_OFF)] / per_step, (double)p->trial_ns[trial_of(0)] / per_step,
-                 (double)p->trial_ns[trial_of(PF_STATIC)] / per_step, (double)p->trial_ns[trial_of(PF_SLOT)] / per_step,
+                 trial_ms(p, PF_OFF), trial_ms(p, 0), trial_ms(p, PF_STATIC), trial_ms(p, PF_SLOT),
                  p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
         if (p->retunes) {
             size_t used = strlen(b);
