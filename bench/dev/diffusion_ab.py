@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm", type=int, default=20)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--summary", action="store_true", help="print each variant's offload summary in the first round")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     link = td.link_gbps()
@@ -98,6 +99,8 @@ def main():
                 row["h2d"].append((s1["bytes_h2d"]["total"] - s0["bytes_h2d"]["total"]) / a.steps / 2**30)
                 row["trims"].append((s1["trim_syncs"]["total"] - s0["trim_syncs"]["total"]) / a.steps)
                 row["pipe"].add(plan_line(h) if policy == "plan" else policy)
+                if a.summary and not r:
+                    print(f"--- {n}\n{h.summary()}", flush=True)
                 row["equal"] = row["equal"] and torch.equal(td._out(out), ref)
                 print(f"  {n}: the first {a.warm} steps {sum(warm) / (len(warm) * ms):.3f}x steady: "
                       + " ".join("%.0f" % t for t in warm), flush=True)
