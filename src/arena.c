@@ -168,6 +168,8 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
     return SPW_OK;
 }
 
+bool spw__arena_whole(const spw_arena *a) { return a->p.whole; }
+
 void spw__arena_destroy(spw_arena *a) {
     if (!a) return;
     for (seg *s = a->segs, *sn; s; s = sn) {

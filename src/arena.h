@@ -41,6 +41,8 @@ typedef struct spw_arena_params {
 } spw_arena_params;
 
 spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out);
+/* A block is its whole segment (p.whole): cached blocks serve only requests of their size. */
+bool spw__arena_whole(const spw_arena *a);
 void spw__arena_destroy(spw_arena *a);
 /* The following are called with the owner's lock held (the context's). */
 spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out);

@@ -97,6 +97,13 @@ typedef struct spw_policy_ops {
      * may start uploads of buffers it expects next with spw__engine_prefetch. */
     void (*prefetch)(spw_policy *p, spw_ctx *ctx, bool after_acquire);
 
+    /* Device bytes to ask for b's block, at least b's own: a pipeline that streams buffers of
+     * several sizes through room of a fixed number of buffers asks a slot's bytes for each, so
+     * that any of them takes the block another one left. The engine asks where a block is a
+     * whole segment of its own (vmm off), which serves only requests of its size; in pages any
+     * free run serves any size. NULL: b's bytes. */
+    size_t (*block_bytes)(spw_policy *p, spw_buf *b);
+
     /* One line for the summary on what the policy is doing (what it learned, what it chose),
      * written to buf (NUL-terminated, truncated to len); may write nothing. */
     void (*describe)(spw_policy *p, char *buf, size_t len);

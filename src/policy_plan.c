@@ -743,6 +743,20 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
     }
 }
 
+/* STATIC streams through room for two of the plan's largest buffers: each streamed buffer asks
+ * for a block of that size, so that in whole segments every upload takes the block the one it
+ * replaces left, where a block of its own size would first need a trim (every cached segment
+ * returned, the device drained) whenever the streamed sizes differ. The room holds the same two
+ * buffers either way; the fixed set keeps blocks of its own sizes. */
+static size_t plan_block_bytes(spw_policy *p, spw_buf *b) {
+    size_t n = spw__pol_bytes(b);
+    kbuf *k = kb_of(b);
+    if (!p->slot_bytes || p->early_max != PF_STATIC || !k || k->fixed || n >= p->slot_bytes) return n;
+    kpos *e = NULL;
+    HASH_FIND(hh, p->index, &k->key, sizeof(uint64_t), e);
+    return e ? p->slot_bytes : n;
+}
+
 const spw_policy_ops spw__policy_plan = {
     .name = "plan",
     .create = plan_create,
@@ -761,5 +775,6 @@ const spw_policy_ops spw__policy_plan = {
     .rank_victim = plan_rank_victim,
     .need_writeback = plan_need_writeback,
     .prefetch = plan_prefetch,
+    .block_bytes = plan_block_bytes,
     .describe = plan_describe,
 };

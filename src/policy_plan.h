@@ -131,6 +131,8 @@ struct spw_policy {
     int64_t trims_seen;             /* the context's trim_syncs when the current step began */
     bool slot_left;                 /* SLOT was chosen, then left (its room did not hold) */
     bool all_fit;                   /* the plan's buffers fit the capacity: no pipeline timed */
+    size_t slot_bytes;              /* STATIC in force: the block of every streamed buffer (the
+                                     * largest of the plan's), 0 otherwise */
     int64_t evictions0;             /* the context's evictions when the current step began */
     uint64_t step_bytes0;  /* bytes moved before the current step began */
     uint64_t step_t0;      /* when the current step began (0: none yet) */

@@ -97,13 +97,18 @@ size_t spw__plan_largest(const spw_policy *p) {
     return m;
 }
 
+/* The bytes of plan position i, rounded as the arena rounds, if it is its buffer's first use in
+ * the plan (each buffer counts once), else 0; *e receives the buffer's positions. */
+static size_t first_use(const spw_policy *p, size_t i, kpos **e) {
+    *e = NULL;
+    HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), *e);
+    return *e && (*e)->pos[0] == i ? SPW_ALIGN_UP(p->plan[i].bytes, 512) : 0;
+}
+
 size_t spw__plan_total(spw_policy *p) {
     size_t total = 0;
-    for (size_t i = 0; i < p->nplan; i++) {
-        kpos *e = NULL;
-        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-        if (e && e->pos[0] == i) total += SPW_ALIGN_UP(p->plan[i].bytes, 512); /* first uses only */
-    }
+    kpos *e;
+    for (size_t i = 0; i < p->nplan; i++) total += first_use(p, i, &e);
     return total;
 }
 
@@ -161,6 +166,7 @@ void spw__plan_rebase(spw_policy *p, spw_ctx *ctx) {
 void spw__plan_clear_fixed(spw_policy *p) {
     kbuf *k, *tmp;
     HASH_ITER(hh, p->by_key, k, tmp) k->fixed = false;
+    p->slot_bytes = 0;
 }
 
 static void fix_key(spw_policy *p, uint64_t key) {
@@ -180,11 +186,10 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
     spw__plan_clear_fixed(p);
     if (!p->index || !p->nplan) return;
     size_t cap = spw__plan_capacity(p), total = 0, largest = 0, once = 0;
+    kpos *e;
     for (size_t i = 0; i < p->nplan; i++) {
-        kpos *e = NULL;
-        HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-        if (!e || e->pos[0] != i) continue; /* first uses only */
-        size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
+        size_t b = first_use(p, i, &e);
+        if (!b) continue;
         total += b;
         largest = SPW_MAX(largest, b);
         if (e->n == 1) once += b;
@@ -195,14 +200,13 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
     }
     size_t stream = mode == PF_SLOT ? largest + SPW_ALIGN_UP(largest / 4, 512) : 2 * largest;
     if (cap <= stream) return;
+    if (mode == PF_STATIC) p->slot_bytes = largest;
     size_t room = cap - stream, used = 0;
     for (int pass = 0; pass < 2; pass++) {
         size_t seen = 0, share = pass ? room - used : 0;
         for (size_t i = 0; i < p->nplan; i++) {
-            kpos *e = NULL;
-            HASH_FIND(hh, p->index, &p->plan[i].key, sizeof(uint64_t), e);
-            if (!e || e->pos[0] != i || (pass == 0) != (e->n > 1)) continue;
-            size_t b = SPW_ALIGN_UP(p->plan[i].bytes, 512);
+            size_t b = first_use(p, i, &e);
+            if (!b || (pass == 0) != (e->n > 1)) continue;
             seen += b;
             bool fits = used + b <= room;
             /* pass 1: within the share of the single-use bytes seen so far */

@@ -355,12 +355,15 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     }
     spw_stream as = upload ? e->h2d : s;
     spw_arena *a = b->bytes <= ctx->cfg.small_limit ? ctx->small : ctx->large;
+    size_t want = b->bytes; /* the block asked for: the policy's slot where a block is a segment */
+    if (a == ctx->large && e->pops->block_bytes && spw__arena_whole(a))
+        want = SPW_MAX(want, e->pops->block_bytes(e->pol, b));
     /* A block for work on another stream that its cached blocks cannot serve without a trim
      * is taken as an upload's is, from the H2D stream's room (where release_block hands every
      * freed block, and where the room in one piece is found); s then waits for the H2D
      * stream's work so far by an event (spw__copy_order_dev at the acquire), which a trim
      * would make the host wait for. */
-    bool via_h2d = !upload && e->streams_ok && s != e->h2d && !spw__arena_fits(a, b->bytes, s);
+    bool via_h2d = !upload && e->streams_ok && s != e->h2d && !spw__arena_fits(a, want, s);
     if (via_h2d) as = e->h2d;
     spw_block *blk = NULL;
     /* An upload's victims are freed owing their waits (release_block) and the block comes with
@@ -368,7 +371,7 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     spw_arena_wait w[SPW_ARENA_OWED_MAX];
     int nw = 0;
     e->owe_waits = upload && e->streams_ok;
-    st = alloc_evicting(ctx, a, b->bytes, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
+    st = alloc_evicting(ctx, a, want, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
     e->owe_waits = false;
     if (st) return st;
     size_t size = spw__block_size(blk);

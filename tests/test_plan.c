@@ -633,6 +633,69 @@ static void mixed_sizes_need_no_trim(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* The static split in whole segments (vmm off): each streamed buffer, whatever its size, takes a
+ * block of the largest one's, so every upload reuses the block the buffer it replaces left. Once
+ * the split is in force no upload trims (which would return every cached segment and drain the
+ * device); fixed buffers keep blocks of their own sizes, the weights still move every step, and
+ * every byte read is right. */
+static void static_split_in_segments_needs_no_trim(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 12, STEPS = 12, FROM = 4 };
+    const size_t mib[NB] = {6, 4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5};
+    spw_ctx *ctx = test_ctx("budget=30MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=off");
+    spw_policy *pol = ctx->engine->pol;
+    pol->early_max = PF_STATIC;
+    spw_buf *b[NB];
+    uint8_t *tmp = malloc(6 * MiB);
+    for (int i = 0; i < NB; i++) {
+        assert_ok(spw_buf_create(ctx, mib[i] * MiB, SPW_BUF_READ_ONLY, &b[i]));
+        memset(tmp, 0x40 + i, mib[i] * MiB);
+        assert_ok(spw_buf_write(b[i], 0, tmp, mib[i] * MiB));
+    }
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    int64_t trims0 = 0, h2d0 = 0;
+    for (int s = 0; s < STEPS; s++) {
+        if (s == FROM) {
+            spw_stats st = test_stats(ctx);
+            trims0 = st.trim_syncs.total;
+            h2d0 = st.bytes_h2d.total;
+        }
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            test_kcheck kc = {d, mib[i] * MiB, (uint8_t)(0x40 + i), NULL, &bad};
+            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc));
+            assert_ok(spw_release(b[i], NULL));
+            assert_ok(spw_stream_synchronize(ctx, NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        if (s < FROM) continue;
+        int streamed = 0;
+        for (int i = 0; i < NB; i++) {
+            kbuf *k = kb_of(b[i]);
+            if (!b[i]->resident) continue;
+            size_t want = k->fixed ? mib[i] * MiB : 6 * MiB;
+            if (spw__pol_device_bytes(b[i]) != want)
+                fail_msg("step %d: buffer %d (%zu MiB, %s) holds a block of %zu B, want %zu", s, i, mib[i],
+                         k->fixed ? "fixed" : "streamed", spw__pol_device_bytes(b[i]), want);
+            streamed += !k->fixed;
+        }
+        assert_true(streamed <= 2);
+    }
+    spw_stats st = test_stats(ctx);
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_int_equal(pol->early_max, PF_STATIC);
+    assert_int_equal(st.plan_divergences.total, 0);
+    assert_int_equal(st.trim_syncs.total - trims0, 0);
+    assert_true(st.bytes_h2d.total - h2d0 >= (int64_t)((STEPS - FROM) * 20 * MiB)); /* 60 MiB through 30 */
+    assert_true(st.held.peak <= 30 * (int64_t)MiB);
+    free(tmp);
+    spw_ctx_destroy(ctx);
+}
+
 /* A buffer written on the caller's stream (no upload) at the budget, where no cached block
  * holds it: its room is a run of the H2D stream's blocks (a window), taken without a trim;
  * the victims' contents and its own stay intact. */
@@ -681,6 +744,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(exact_victims),
         cmocka_unit_test(mixed_sizes_need_no_trim),
+        cmocka_unit_test(static_split_in_segments_needs_no_trim),
         cmocka_unit_test(write_on_the_callers_stream_needs_no_trim),
         cmocka_unit_test(dead_data_not_written_back),
         cmocka_unit_test(read_after_drop_is_an_error),

@@ -13,7 +13,8 @@
  *     MODE: -1 no prefetch, 0 double buffer, -2 static split, -3 split with one slot
  * Environment: DIT_SCALE=S multiplies the blocks (S=8: a quarter of Flux, 162 and 67.5 MiB, for
  * a budget of 2GiB); DIT_HEAD_MIB and DIT_TAIL_MIB give the first and last units other sizes than
- * 2 MiB (Flux's embedders as one unit and its output layers: 62 and 36 MiB, scaled).
+ * 2 MiB (Flux's embedders as one unit and its output layers: 62 and 36 MiB, scaled);
+ * DIT_HALVES=1 makes each double block two units of half its size (a partition's cap below it).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +24,7 @@
 
 #define MiB ((size_t)1 << 20)
 
-enum { N = 59, K = 32, STEPS = 40, FROM = 10 };
+enum { NMAX = 78, K = 32, STEPS = 40, FROM = 10 };
 
 int main(int argc, char **argv) {
     int mode = argc > 1 ? atoi(argv[1]) : 0;
@@ -35,21 +36,24 @@ int main(int argc, char **argv) {
              *extra ? "," : "", extra);
     spw_ctx *ctx = probe_ctx("dit_units", conf, false, mode);
     if (!ctx) return 1;
-    spw_buf *b[N];
-    size_t size[N];
+    spw_buf *b[NMAX];
+    size_t size[NMAX];
     const char *sc = getenv("DIT_SCALE"), *head = getenv("DIT_HEAD_MIB"), *tail = getenv("DIT_TAIL_MIB");
+    const char *halves = getenv("DIT_HALVES");
+    int per = halves && atoi(halves) ? 2 : 1, N = 2 + 19 * per + 38;
     double scale = sc ? atof(sc) : 0;
     size[0] = head ? (size_t)(atof(head) * MiB) / 512 * 512 : 2 * MiB;
     size[N - 1] = tail ? (size_t)(atof(tail) * MiB) / 512 * 512 : 2 * MiB;
-    for (int i = 1; i <= 19; i++) size[i] = scale > 0 ? (size_t)(20.25 * scale * MiB) / 512 * 512 : 20 * MiB;
-    for (int i = 20; i < N - 1; i++) size[i] = scale > 0 ? (size_t)(8.44 * scale * MiB) / 512 * 512 : 8 * MiB;
+    for (int i = 1; i <= 19 * per; i++)
+        size[i] = (scale > 0 ? (size_t)(20.25 * scale * MiB) / 512 * 512 : 20 * MiB) / (size_t)per / 512 * 512;
+    for (int i = 1 + 19 * per; i < N - 1; i++) size[i] = scale > 0 ? (size_t)(8.44 * scale * MiB) / 512 * 512 : 8 * MiB;
     spw_stream s;
     for (int i = 0; i < N; i++)
         if (spw_buf_create(ctx, size[i], SPW_BUF_READ_ONLY, &b[i])) goto fail;
     if (spw_stream_create(ctx, &s)) goto fail;
-    static void *seen[N][K]; /* each unit's addresses so far, up to K (the hooks keep as many sets) */
-    int nseen[N] = {0};
-    void *last[N] = {0};
+    static void *seen[NMAX][K]; /* each unit's addresses so far, up to K (the hooks keep as many sets) */
+    int nseen[NMAX] = {0};
+    void *last[NMAX] = {0};
     long acquires = 0, moved = 0, fresh = 0;
     for (int step = 0; step < STEPS; step++) {
         if (spw_step_begin(ctx)) goto fail;

@@ -144,7 +144,8 @@ def unit_cap(cap: int) -> Iterator[None]:
     from spillway.torch import _partition
     bounds = _partition.bounds
     if cap:
-        _partition.bounds = lambda budget, streamed=0: tuple(min(x, cap) for x in bounds(budget, streamed))
+        _partition.bounds = lambda budget, streamed=0, segments=False: tuple(
+            min(x, cap) for x in bounds(budget, streamed, segments))
     try:
         yield
     finally:

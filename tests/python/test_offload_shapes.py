@@ -216,6 +216,28 @@ def test_dit_with_two_block_lists():
     off.remove()
 
 
+
+def test_dit_in_plain_segments_streams_smaller_units():
+    """vmm="off": the plan's static split streams every unit through two blocks of the largest
+    unit's size, so the partition keeps units to a sixteenth of the budget (a quarter
+    otherwise): the double blocks, and the single blocks' attentions, come in parts."""
+    torch.manual_seed(0)
+    m = DiT().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x, txt, t = torch.randn(2, 16, 16), torch.randn(2, 8, 32), torch.randn(2, 32)
+    budget = 48 * MiB
+    pages = spt.offload(m, budget=budget, backend="emu")
+    largest_pages = max(u.nbytes for u in pages.units)
+    pages.remove()
+    off = spt.offload(m, budget=budget, backend="emu", vmm="off")
+    assert max(u.nbytes for u in off.units) <= budget // 16 < largest_pages
+    assert not any(u.name.startswith("transformer_blocks.") and u.name.count(".") == 1 for u in off.units)
+    with torch.no_grad():
+        out, last = run_steps(off, lambda: m(x, txt, t))
+    assert torch.equal(out, ref(x, txt, t))
+    assert last <= steady_bound(off), (last, steady_bound(off))
+    off.remove()
+
 # ---- an encoder-decoder ----
 
 class EncLayer(nn.Module):

@@ -29,15 +29,21 @@ _LO_MAX = 64 << 20  # units of this size already make a hook's host time a small
 _ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
 
 
-def bounds(budget: int, streamed: int = 0) -> "tuple[int, int]":
+def bounds(budget: int, streamed: int = 0, segments: bool = False) -> "tuple[int, int]":
     """(lo, hi) for a budget: units up to a quarter of it, runs grouped to half of that (at most
     _LO_MAX). streamed: bytes that cross the link every step whatever the budget (trained
     weights, whose device copies each optimizer step makes stale); units of them are kept to a
     sixteenth of it, so that the plan can upload the next while one computes (one unit of the
-    whole model would upload before any work starts)."""
+    whole model would upload before any work starts). segments: the context's device memory is
+    plain segments (vmm off), where the plan's static split streams every unit through two
+    blocks of its largest unit's size; units up to a sixteenth of the budget keep those two
+    within an eighth of it, and the bytes each step moves close to the offloaded bytes less the
+    budget."""
     hi = max(budget // 4, 1)
     if streamed:
         hi = min(hi, max(streamed // 16, 1))
+    if segments:
+        hi = min(hi, max(budget // 16, 1))
     return min(hi // 2, _LO_MAX), hi
 
 

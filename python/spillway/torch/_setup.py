@@ -3,6 +3,7 @@ tensors are offloaded and which stay resident, the units, the options of an offl
 context, and the room a forward needs. Nothing here moves a tensor or calls the library."""
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -154,6 +155,16 @@ class Layout(NamedTuple):
     device_trained: int  # bytes the parameters trained on the device take with gradients and state
 
 
+def segments(ctx_opts: Dict[str, Any]) -> bool:
+    """Whether an offload's own context, made with ctx_opts after SPILLWAY_CONF, keeps its
+    device memory in plain segments (option vmm off)."""
+    v = ctx_opts.get("vmm")
+    if v is None:
+        conf = dict(kv.split("=", 1) for kv in os.environ.get("SPILLWAY_CONF", "").split(",") if "=" in kv)
+        v = conf.get("vmm")
+    return str(v).strip().lower() in ("off", "false", "0")
+
+
 def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict[int, str],
            grads: Dict[int, Tuple[str, torch.Tensor]], kept: Dict[int, Tuple[str, torch.Tensor]],
            optimizer: Any, train_on_device: Any, budget: int, shared: bool, ctx_opts: Dict[str, Any],
@@ -179,7 +190,7 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                     "lower it")
             streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
             made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed,
-                                        training=optimizer is not None)
+                                        training=optimizer is not None, segments=not shared and segments(ctx_opts))
             if not made:  # every parameter trained on the device: nothing streams
                 return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
             page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
@@ -199,15 +210,16 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
           grads: Dict[int, Any], names: Dict[int, str], budget: int, streamed: int,
-          training: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+          training: bool = False, segments: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """(units, id(module) -> the units its hook acquires, the hooked modules): blocks=[...] as
     given, else the partition of the module tree for the budget (_partition.py), of which
-    `streamed` bytes of trained weights cross the link every step. Training (optimizer=) may
-    leave nothing to offload: every parameter trained on the device."""
+    `streamed` bytes of trained weights cross the link every step, in a context of plain
+    segments or not. Training (optimizer=) may leave nothing to offload: every parameter
+    trained on the device."""
     if blocks is not None:
         groups = [[b] for b in blocks]
     else:
-        lo, hi = _partition.bounds(budget, streamed)
+        lo, hi = _partition.bounds(budget, streamed, segments)
         groups = _partition.partition(module, set(kept), lo, hi)
     out = _plan_units(module, groups, set(kept), names)
     if not out[0] and not (training and len(kept) == len(grads)):
