@@ -270,6 +270,7 @@ static void skip_split_trials(spw_policy *p) {
 static void trials_start(spw_policy *p) {
     p->trial = 0;
     p->trials_left_out = 0;
+    p->trials_cut = 0;
     p->trial_step = 0;
     memset(p->trial_ns, 0, sizeof p->trial_ns);
     memset(p->trial_t, 0, sizeof p->trial_t);
@@ -331,16 +332,24 @@ static void tune_early(spw_policy *p, uint64_t now) {
     int k = p->trial_step++;
     if (k < TRIAL_STEPS - 1) { /* the settle step */
         p->settle_ns = ns;
-        return;
-    }
-    uint64_t b = bytes_moved(p) - p->step_bytes0;
-    double e = expected_bytes(p, EARLY_TRIALS[p->trial], b);
-    double t = (double)ns * (b > 0 ? e / (double)b : 1.0);
-    if (k == TRIAL_STEPS - 1 || t < p->trial_t[p->trial]) {
-        p->trial_t[p->trial] = t;
+        double best = 0;
+        for (int i = 0; i < p->trial; i++)
+            if (!(p->trials_left_out >> i & 1) && p->trial_t[i] > 0 && (!best || p->trial_t[i] < best))
+                best = p->trial_t[i];
+        if (!best || (double)ns <= SETTLE_CUT * best) return;
+        p->trial_t[p->trial] = (double)ns; /* cut: slower than that, it cannot be chosen */
         p->trial_ns[p->trial] = ns;
+        p->trials_cut |= 1u << p->trial;
+    } else {
+        uint64_t b = bytes_moved(p) - p->step_bytes0;
+        double e = expected_bytes(p, EARLY_TRIALS[p->trial], b);
+        double t = (double)ns * (b > 0 ? e / (double)b : 1.0);
+        if (k == TRIAL_STEPS - 1 || t < p->trial_t[p->trial]) {
+            p->trial_t[p->trial] = t;
+            p->trial_ns[p->trial] = ns;
+        }
+        if (k == TRIAL_STEPS - 1 && t > (double)p->settle_ns) return; /* a hiccup: timed once more */
     }
-    if (k == TRIAL_STEPS - 1 && t > (double)p->settle_ns) return; /* a hiccup: timed once more */
     p->trial_step = 0;
     if (++p->trial < N_TRIALS) {
         p->early_max = EARLY_TRIALS[p->trial];
@@ -734,6 +743,13 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
                        "static split %.1f ms, split with one slot %.1f ms)%s", pipeline_name(p->early_max),
                  trial_ms(p, PF_OFF), trial_ms(p, 0), trial_ms(p, PF_STATIC), trial_ms(p, PF_SLOT),
                  p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
+        for (int i = 0, first = 1; i < N_TRIALS; i++) {
+            if (!(p->trials_cut >> i & 1)) continue;
+            size_t used = strlen(b);
+            snprintf(b + used, n - used, "%s%s", first ? "; timed by its settle step alone: " : ", ",
+                     pipeline_name(EARLY_TRIALS[i]));
+            first = 0;
+        }
         if (p->retunes) {
             size_t used = strlen(b);
             snprintf(b + used, n - used, "; timed again after the step time moved (%u so far)", p->retunes);

@@ -46,6 +46,11 @@ extern _Thread_local int spw__plan_hash_oom;
 #define PF_SLOT (-3)
 #define N_TRIALS 4
 #define TRIAL_STEPS 2
+/* A settle step slower than SETTLE_CUT times the fastest pipeline timed so far ends its trial
+ * there, untimed: to win, the pipeline would have to run a third faster once settled, more than
+ * the change of resident set a settle step pays has been seen to cost, and its timed step (and a
+ * retimed one) would be paid in the first steps of a short run. */
+#define SETTLE_CUT 1.5
 /* After the choice, two steps in every RECHECK_EVERY end waiting for their device work, and the
  * second is timed as a trial step was. A time off the chosen pipeline's trial time by more than
  * RETUNE_RATIO either way (the work of a step changed: another batch size, another sequence
@@ -123,6 +128,7 @@ struct spw_policy {
     uint64_t settle_ns;             /* the current trial's settle step */
     double trial_t[N_TRIALS];       /* each trial's time as compared (scaled to its long-run bytes) */
     unsigned trials_left_out;       /* bit i: EARLY_TRIALS[i] is not tried (a step that writes: no split) */
+    unsigned trials_cut;            /* bit i: EARLY_TRIALS[i]'s trial ended at its settle step (SETTLE_CUT) */
     int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
     uint32_t since_tuned;           /* steps begun since the choice */
     uint32_t retunes;               /* trials started again by a recheck */

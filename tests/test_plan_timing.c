@@ -139,6 +139,45 @@ static void a_hiccup_in_a_trial_does_not_decide(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* A settle step far slower than the fastest pipeline timed so far (a 300 ms hiccup in the double
+ * buffer's, the last trial) ends that trial untimed: its pipeline runs one step, not two, is not
+ * chosen, and the summary says it was timed by its settle step alone. */
+static void a_slow_settle_step_ends_its_trial(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 8, STEPS = 16 };
+    const size_t sz = 8 * MiB;
+    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
+    spw_buf *b[NB];
+    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
+    long none = 0, hiccup = 300000;
+    int db_steps = 0;
+    for (int s = 0; s < STEPS; s++) {
+        assert_ok(spw_step_begin(ctx));
+        char *text = test_summary(ctx, 0);
+        bool db = strstr(text, "timing pipelines: double buffer now") != NULL;
+        free(text);
+        db_steps += db;
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, db && db_steps == 1 && i == NB / 2 ? &hiccup : &none));
+            assert_ok(spw_release(b[i], NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+    char *text = test_summary(ctx, 0);
+    const char *line = strstr(text, "policy plan");
+    if (db_steps != 1) fail_msg("the double buffer ran %d trial steps, want 1 (its settle step): %.400s", db_steps, line);
+    const char *cut = strstr(text, "timed by its settle step alone: ");
+    if (!strstr(text, "chosen by timing") || strstr(text, "pipeline double buffer, chosen") || !cut ||
+        !strstr(cut, "double buffer"))
+        fail_msg("want a choice other than the double buffer, which was cut: %.400s", line);
+    free(text);
+    spw_ctx_destroy(ctx);
+}
+
 /* Everything fits the budget: nothing streams whichever pipeline runs, so none is timed (no step
  * waits for the device, the splits' layouts are not paid for); the summary says so. When
  * allocations made during each step then push the plan's buffers out (40 MiB taken with
@@ -229,6 +268,7 @@ int main(void) {
         cmocka_unit_test(pipeline_timed_again_when_the_work_changes),
         cmocka_unit_test(splits_not_tried_where_the_step_writes),
         cmocka_unit_test(a_hiccup_in_a_trial_does_not_decide),
+        cmocka_unit_test(a_slow_settle_step_ends_its_trial),
         cmocka_unit_test(nothing_timed_when_everything_fits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
