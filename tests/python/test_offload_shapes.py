@@ -217,10 +217,12 @@ def test_dit_with_two_block_lists():
 
 
 
-def test_dit_in_plain_segments_streams_smaller_units():
-    """vmm="off": the plan's static split streams every unit through two blocks of the largest
-    unit's size, so the partition keeps units to a sixteenth of the budget (a quarter
-    otherwise): the double blocks, and the single blocks' attentions, come in parts."""
+@pytest.mark.parametrize("given", ["keyword", "SPILLWAY_CONF"])
+def test_dit_in_plain_segments_streams_smaller_units(given, monkeypatch):
+    """vmm="off" (a keyword, or in SPILLWAY_CONF): the plan's static split streams every unit
+    through two blocks of the largest unit's size, so the partition keeps units to a sixteenth
+    of the budget (a quarter otherwise): the double blocks, and the single blocks' attentions,
+    come in parts."""
     torch.manual_seed(0)
     m = DiT().eval().requires_grad_(False)
     ref = copy.deepcopy(m)
@@ -229,7 +231,11 @@ def test_dit_in_plain_segments_streams_smaller_units():
     pages = spt.offload(m, budget=budget, backend="emu")
     largest_pages = max(u.nbytes for u in pages.units)
     pages.remove()
-    off = spt.offload(m, budget=budget, backend="emu", vmm="off")
+    if given == "keyword":
+        off = spt.offload(m, budget=budget, backend="emu", vmm="off")
+    else:
+        monkeypatch.setenv("SPILLWAY_CONF", "policy=plan, vmm = off")
+        off = spt.offload(m, budget=budget, backend="emu")
     assert max(u.nbytes for u in off.units) <= budget // 16 < largest_pages
     assert not any(u.name.startswith("transformer_blocks.") and u.name.count(".") == 1 for u in off.units)
     with torch.no_grad():

@@ -3,12 +3,12 @@ for it, and the arena pages its units are mapped in."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .. import errors as _errors
-from ..core import parse_size
+from ..core import _option_text, parse_size
 from ..errors import ConfigError
 
 _PAGE = 4096
@@ -81,6 +81,19 @@ def _device_memory(backend: str, dev: torch.device, tensors: Iterable[torch.Tens
     free, total = torch.cuda.mem_get_info(dev)
     free += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t.device == dev)
     ctx_opts.setdefault("device", dev.index)
-    if "prefetch_thread" not in ctx_opts and "prefetch_thread" not in os.environ.get("SPILLWAY_CONF", ""):
+    if conf_option(ctx_opts, "prefetch_thread") is None:
         ctx_opts["prefetch_thread"] = "on"
     return free, total
+
+
+def conf_option(ctx_opts: Dict[str, Any], key: str) -> Optional[str]:
+    """Option `key` of a context made with the keyword options ctx_opts, which win over
+    SPILLWAY_CONF (key=value,...): its value as a string, or None where neither sets it."""
+    if key in ctx_opts:
+        return _option_text(key, ctx_opts[key])
+    value = None
+    for item in os.environ.get("SPILLWAY_CONF", "").split(","):
+        k, eq, v = item.partition("=")
+        if eq and k.strip() == key:
+            value = v.strip()  # the last one wins, as the library reads the list
+    return value

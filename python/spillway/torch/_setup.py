@@ -3,7 +3,6 @@ tensors are offloaded and which stay resident, the units, the options of an offl
 context, and the room a forward needs. Nothing here moves a tensor or calls the library."""
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -13,7 +12,7 @@ from torch import nn
 from ..core import format_size, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError
 from . import _partition, _train
-from ._device import _ARENA_PAGE, _SMALL_LIMIT, _arena_page, _large_page
+from ._device import _ARENA_PAGE, _SMALL_LIMIT, _arena_page, _large_page, conf_option
 from ._units import _Unit, _align, _held_together, _module_names, _nbytes, _plan_units
 
 # Module -> its Offload, both weakly: a module is offloaded at most once, and this table keeps
@@ -158,11 +157,7 @@ class Layout(NamedTuple):
 def segments(ctx_opts: Dict[str, Any]) -> bool:
     """Whether an offload's own context, made with ctx_opts after SPILLWAY_CONF, keeps its
     device memory in plain segments (option vmm off)."""
-    v = ctx_opts.get("vmm")
-    if v is None:
-        conf = dict(kv.split("=", 1) for kv in os.environ.get("SPILLWAY_CONF", "").split(",") if "=" in kv)
-        v = conf.get("vmm")
-    return str(v).strip().lower() in ("off", "false", "0")
+    return str(conf_option(ctx_opts, "vmm")).strip().lower() == "off"
 
 
 def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict[int, str],
