@@ -33,6 +33,8 @@ extern _Thread_local int spw__plan_hash_oom;
  * step so that work runs between the others, which stream through two buffers of room, each
  * prefetched as soon as the one it replaces is released, back to back on the link; the same
  * bytes as the double buffer but no idle link during runs of resident buffers (large batches).
+ * In whole segments each streamed buffer takes a block of the largest one's size (slot_bytes,
+ * asked through block_bytes), so that an upload reuses the block its predecessor left.
  * SLOT: STATIC with one buffer of room and a quarter more instead of two, so one more buffer
  * is fixed: each upload evicts the buffer streamed before it and starts on the bytes that buffer
  * never occupied while its work still runs (arena owed waits), then fills the rest. It hides a
