@@ -291,6 +291,15 @@ static void recheck(spw_policy *p, uint64_t now) {
     }
 }
 
+/* The fastest of the first n trials as compared (trial_t), leaving out those not tried and
+ * trial `skip` (-1: none); -1 if none is left. */
+static int fastest_trial(const spw_policy *p, int n, int skip) {
+    int best = -1;
+    for (int i = 0; i < n; i++)
+        if (i != skip && !(p->trials_left_out >> i & 1) && (best < 0 || p->trial_t[i] < p->trial_t[best])) best = i;
+    return best;
+}
+
 static int64_t evictions(const spw_policy *p) {
     return p->ctx->stats.evictions_clean.total + p->ctx->stats.evictions_dirty.total;
 }
@@ -332,11 +341,8 @@ static void tune_early(spw_policy *p, uint64_t now) {
     int k = p->trial_step++;
     if (k < TRIAL_STEPS - 1) { /* the settle step */
         p->settle_ns = ns;
-        double best = 0;
-        for (int i = 0; i < p->trial; i++)
-            if (!(p->trials_left_out >> i & 1) && p->trial_t[i] > 0 && (!best || p->trial_t[i] < best))
-                best = p->trial_t[i];
-        if (!best || (double)ns <= SETTLE_CUT * best) return;
+        int f = fastest_trial(p, p->trial, -1); /* every trial before this one was timed */
+        if (f < 0 || (double)ns <= SETTLE_CUT * p->trial_t[f]) return;
         p->trial_t[p->trial] = (double)ns; /* cut: slower than that, it cannot be chosen */
         p->trial_ns[p->trial] = ns;
         p->trials_cut |= 1u << p->trial;
@@ -355,15 +361,8 @@ static void tune_early(spw_policy *p, uint64_t now) {
         p->early_max = EARLY_TRIALS[p->trial];
         return;
     }
-    int best = -1;
-    double best_t = 0;
-    for (int i = 0; i < N_TRIALS; i++) {
-        if (p->trials_left_out >> i & 1) continue;
-        if (best < 0 || p->trial_t[i] < best_t) {
-            best = i;
-            best_t = p->trial_t[i];
-        }
-    }
+    int best = fastest_trial(p, N_TRIALS, -1); /* no prefetch and the double buffer are always tried */
+    double best_t = p->trial_t[best];
     /* timed again: the pipeline in force stays unless clearly beaten */
     if (p->retunes && best != p->chosen && !(best_t < RETIME_MARGIN * p->trial_t[p->chosen])) best = p->chosen;
     p->early_max = EARLY_TRIALS[best];
@@ -622,11 +621,7 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
 /* SLOT's premise keeps breaking (SLOT_BROKEN_OF_8): take the fastest other pipeline of the
  * timing (the first listed when nothing was timed). */
 static void leave_slot(spw_policy *p) {
-    int best = -1;
-    for (int i = 0; i < N_TRIALS; i++)
-        if (EARLY_TRIALS[i] != PF_SLOT && !(p->trials_left_out >> i & 1) &&
-            (best < 0 || p->trial_t[i] < p->trial_t[best]))
-            best = i;
+    int best = fastest_trial(p, N_TRIALS, trial_of(PF_SLOT));
     p->early_max = EARLY_TRIALS[best];
     p->chosen = best;
     p->slot_left = true;

@@ -154,7 +154,7 @@ class Layout(NamedTuple):
     device_trained: int  # bytes the parameters trained on the device take with gradients and state
 
 
-def segments(ctx_opts: Dict[str, Any]) -> bool:
+def in_segments(ctx_opts: Dict[str, Any]) -> bool:
     """Whether an offload's own context, made with ctx_opts after SPILLWAY_CONF, keeps its
     device memory in plain segments (option vmm off)."""
     return str(conf_option(ctx_opts, "vmm")).strip().lower() == "off"
@@ -185,7 +185,7 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                     "lower it")
             streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
             made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed,
-                                        training=optimizer is not None, segments=not shared and segments(ctx_opts))
+                                        training=optimizer is not None, segments=not shared and in_segments(ctx_opts))
             if not made:  # every parameter trained on the device: nothing streams
                 return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
             page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
@@ -205,7 +205,8 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
           grads: Dict[int, Any], names: Dict[int, str], budget: int, streamed: int,
-          training: bool = False, segments: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+          training: bool = False,
+          segments: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """(units, id(module) -> the units its hook acquires, the hooked modules): blocks=[...] as
     given, else the partition of the module tree for the budget (_partition.py), of which
     `streamed` bytes of trained weights cross the link every step, in a context of plain
