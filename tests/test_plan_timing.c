@@ -96,45 +96,61 @@ static void pipeline_timed_again_when_the_work_changes(void **state) {
     free(text);
 }
 
+/* Eight buffers of 8 MiB read in turn under 41 MiB on a 1 GB/s link, no work, for `steps` steps,
+ * with a host hiccup of `us` in the `nth` step that runs while the summary says "timing
+ * pipelines: <pipeline> now" (mid-step). *ran: the steps run under that line; *moved: buffers
+ * uploaded over the last three steps. Returns the context, for its summary. */
+static spw_ctx *hiccup_run(const char *pipeline, int nth, long us, int steps, int *ran, int64_t *moved) {
+    enum { NB = 8 };
+    const size_t sz = 8 * MiB;
+    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
+    spw_buf *b[NB];
+    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
+    char now[96];
+    snprintf(now, sizeof now, "timing pipelines: %s now", pipeline);
+    long none = 0;
+    int hiccups = 0;
+    int64_t h0 = 0;
+    *ran = 0;
+    for (int s = 0; s < steps; s++) {
+        if (s == steps - 3) h0 = test_stats(ctx).bytes_h2d.total;
+        assert_ok(spw_step_begin(ctx)); /* times the step before: the summary says what this one runs */
+        char *text = test_summary(ctx, 0);
+        bool in = strstr(text, now) != NULL;
+        free(text);
+        *ran += in;
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+            bool hit = in && *ran == nth && i == NB / 2;
+            hiccups += hit;
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, hit ? &us : &none));
+            assert_ok(spw_release(b[i], NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+    }
+    assert_int_equal(hiccups, 1);
+    *moved = (test_stats(ctx).bytes_h2d.total - h0) / (int64_t)sz;
+    return ctx;
+}
+
 /* A hiccup of the host in the timed step of the pipeline that wins (no prefetch, with no work to
  * hide transfers behind): slower than its settle step, that step is timed once more, and the
  * choice stands. The steps of that trial are found by the summary ("no prefetch now"). */
 static void a_hiccup_in_a_trial_does_not_decide(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
-    enum { NB = 8, STEPS = 18 };
-    const size_t sz = 8 * MiB;
-    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
-    spw_buf *b[NB];
-    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
-    long none = 0, hiccup = 200000;
-    int off_steps = 0, hiccups = 0;
-    int64_t h0 = 0;
-    for (int s = 0; s < STEPS; s++) {
-        if (s == STEPS - 3) h0 = test_stats(ctx).bytes_h2d.total;
-        assert_ok(spw_step_begin(ctx)); /* times the step before: the summary says what this one runs */
-        char *text = test_summary(ctx, 0);
-        bool off = strstr(text, "timing pipelines: no prefetch now") != NULL;
-        free(text);
-        off_steps += off;
-        for (int i = 0; i < NB; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            bool hit = off && off_steps == 2 && i == NB / 2;
-            hiccups += hit;
-            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, hit ? &hiccup : &none));
-            assert_ok(spw_release(b[i], NULL));
-        }
-        assert_ok(spw_step_end(ctx));
-        assert_ok(spw_stream_synchronize(ctx, NULL));
-    }
-    int64_t moved = (test_stats(ctx).bytes_h2d.total - h0) / (int64_t)sz;
+    int off_steps;
+    int64_t moved;
+    spw_ctx *ctx = hiccup_run("no prefetch", 2, 200000, 18, &off_steps, &moved);
     char *text = test_summary(ctx, 0);
-    assert_int_equal(hiccups, 1);
     const char *line = strstr(text, "policy plan");
-    if (off_steps != 3) fail_msg("no prefetch timed in %d steps, want 3 (settle, the hiccup, once more): %.300s", off_steps, line);
+    if (off_steps != 3)
+        fail_msg("no prefetch timed in %d steps, want 3 (settle, the hiccup, once more): %.300s", off_steps, line);
     if (!strstr(text, "pipeline no prefetch, chosen by timing") || !(moved <= 11))
-        fail_msg("want no prefetch kept (Belady's 10-11 buffers in 3 steps), moved %lld: %.300s", (long long)moved, line);
+        fail_msg("want no prefetch kept (Belady's 10-11 buffers in 3 steps), moved %lld: %.300s", (long long)moved,
+                 line);
     free(text);
     spw_ctx_destroy(ctx);
 }
@@ -145,31 +161,13 @@ static void a_hiccup_in_a_trial_does_not_decide(void **state) {
 static void a_slow_settle_step_ends_its_trial(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
-    enum { NB = 8, STEPS = 16 };
-    const size_t sz = 8 * MiB;
-    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
-    spw_buf *b[NB];
-    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, sz, SPW_BUF_READ_ONLY, &b[i]));
-    long none = 0, hiccup = 300000;
-    int db_steps = 0;
-    for (int s = 0; s < STEPS; s++) {
-        assert_ok(spw_step_begin(ctx));
-        char *text = test_summary(ctx, 0);
-        bool db = strstr(text, "timing pipelines: double buffer now") != NULL;
-        free(text);
-        db_steps += db;
-        for (int i = 0; i < NB; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, db && db_steps == 1 && i == NB / 2 ? &hiccup : &none));
-            assert_ok(spw_release(b[i], NULL));
-        }
-        assert_ok(spw_step_end(ctx));
-        assert_ok(spw_stream_synchronize(ctx, NULL));
-    }
+    int db_steps;
+    int64_t moved;
+    spw_ctx *ctx = hiccup_run("double buffer", 1, 300000, 16, &db_steps, &moved);
     char *text = test_summary(ctx, 0);
     const char *line = strstr(text, "policy plan");
-    if (db_steps != 1) fail_msg("the double buffer ran %d trial steps, want 1 (its settle step): %.400s", db_steps, line);
+    if (db_steps != 1)
+        fail_msg("the double buffer ran %d trial steps, want 1 (its settle step): %.400s", db_steps, line);
     const char *cut = strstr(text, "timed by its settle step alone: ");
     if (!strstr(text, "chosen by timing") || strstr(text, "pipeline double buffer, chosen") || !cut ||
         !strstr(cut, "double buffer"))
