@@ -88,6 +88,23 @@ static size_t trim_gain(const spw_arena *a, const seg *s, const spw_block *b) {
     return r1 > r0 ? r1 - r0 : 0;
 }
 
+/* Whether a trim could return anything: a run of adjacent FREE blocks (of any pools, as
+ * merge_idle_pools would join them) that is a whole segment, or (VMM) spans a whole page. A trim
+ * that could return nothing must not make the host wait for the device. */
+static bool releasable(const spw_arena *a) {
+    for (seg *s = a->segs; s; s = s->next) {
+        for (spw_block *b = s->first; b; b = b->next) {
+            if (b->state != B_FREE) continue;
+            spw_block *e = b;
+            while (e->next && e->next->state == B_FREE) e = e->next;
+            if (a->p.vmm ? page_ceil(a, b->addr) < page_floor(a, e->addr + e->size) : b == s->first && !e->next)
+                return true;
+            b = e;
+        }
+    }
+    return false;
+}
+
 void spw__arena_allow_trim(spw_arena *a, bool allowed) { a->no_trim = !allowed; }
 
 spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
@@ -96,10 +113,7 @@ spw_status spw__arena_trim(spw_arena *a, size_t want, size_t *released) {
     if (released) *released = 0;
     if (a->no_trim) return SPW_OK;
     if (a->nowed && (st = spw__arena_settle(a))) return st; /* before the syncs that make blocks idle */
-    bool any = false;
-    for (seg *s = a->segs; s && !any; s = s->next)
-        for (spw_block *b = s->first; b && !any; b = b->next) any = b->state == B_FREE;
-    if (!any) return SPW_OK;
+    if (!releasable(a)) return SPW_OK;
     /* queued work may still touch free blocks: wait for every stream of this arena once */
     for (size_t k = 0; k < a->npools; k++)
         if ((st = sync_pool(a, a->pools[k]))) return st;

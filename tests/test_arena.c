@@ -260,6 +260,34 @@ static void whole_segments(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* A trim that can return nothing does not make the host wait: a small block's segment, partly
+ * free, cannot be returned, so a large request past the budget fails (or an empty_cache ends)
+ * without a synchronization of the streams. */
+static void a_trim_that_frees_nothing_does_not_wait(void **state) {
+    (void)state;
+    spw_ctx *ctx = emu_ctx("vmm=off,budget=64MiB");
+    void *small[2], *big, *more;
+    for (int i = 0; i < 2; i++) assert_ok(spw_malloc(ctx, 4096, NULL, &small[i]));
+    assert_ok(spw_free(ctx, small[0], NULL)); /* its segment: one live block, one free */
+    assert_ok(spw_malloc(ctx, 60 * MiB, NULL, &big));
+    spw_stats st0, st;
+    assert_ok(spw_stats_get(ctx, &st0));
+    assert_status(spw_malloc(ctx, 8 * MiB, NULL, &more), SPW_ERR_OUT_OF_MEMORY);
+    assert_ok(spw_empty_cache(ctx));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.trim_syncs.total, st0.trim_syncs.total);
+    assert_int_equal(st.held.current, st0.held.current);
+    /* once the segment is wholly free, the trim returns it (and waits for the streams once) */
+    assert_ok(spw_free(ctx, small[1], NULL));
+    assert_ok(spw_empty_cache(ctx));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.trim_syncs.total, st0.trim_syncs.total + 1);
+    assert_int_equal(st.held.current, 60 * MiB);
+    check(ctx);
+    assert_ok(spw_free(ctx, big, NULL));
+    spw_ctx_destroy(ctx);
+}
+
 /* The budget is hard: a request past it fails with the numbers, changes nothing, and succeeds
  * once cached memory is given back to it. */
 static void budget_is_hard(void **state) {
@@ -410,7 +438,7 @@ int main(void) {
         cmocka_unit_test(rounding),           cmocka_unit_test(trim_all),
         cmocka_unit_test(held_tracks_live),   cmocka_unit_test(segment_mode),
         cmocka_unit_test(large_pages),        cmocka_unit_test(whole_segments),
-        cmocka_unit_test(budget_is_hard),     cmocka_unit_test(cross_stream_reuse_waits),
+        cmocka_unit_test(budget_is_hard), cmocka_unit_test(a_trim_that_frees_nothing_does_not_wait),     cmocka_unit_test(cross_stream_reuse_waits),
         cmocka_unit_test(hot_path_no_backend_calls), cmocka_unit_test(window_picks_the_best_run),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

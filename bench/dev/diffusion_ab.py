@@ -101,6 +101,8 @@ def main():
                 row["pipe"].add(plan_line(h) if policy == "plan" else policy)
                 if a.summary and not r:
                     print(f"--- {n}\n{h.summary()}", flush=True)
+                    sizes = sorted(u.nbytes for u in h.units)
+                    print(f"unit MiB, sorted: {' '.join('%.2f' % (x / 2**20) for x in sizes)}", flush=True)
                 row["equal"] = row["equal"] and torch.equal(td._out(out), ref)
                 print(f"  {n}: the first {a.warm} steps {sum(warm) / (len(warm) * ms):.3f}x steady: "
                       + " ".join("%.0f" % t for t in warm), flush=True)
