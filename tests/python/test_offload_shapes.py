@@ -524,3 +524,41 @@ def test_a_run_of_small_modules_shares_one_acquisition():
     assert off.acquires >= hooked
     assert len(calls) <= len(off.units) * 6, (len(calls), len(off.units))  # one call a unit a step, not a module
     off.remove()
+
+
+def test_a_small_module_beside_a_large_one_is_not_a_unit_of_its_own():
+    """A norm before its attention, or after the last large module of a block, joins that unit
+    where both fit: no unit is only a norm's few KiB, each paying a hook and a transfer."""
+    from spillway.torch import _partition
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1 = nn.LayerNorm(512)
+            self.attn = nn.Linear(512, 2048)  # 4 MiB
+            self.norm2 = nn.LayerNorm(512)
+            self.ff = nn.Linear(512, 2048)
+            self.norm3 = nn.LayerNorm(2048)
+
+        def forward(self, x):
+            return self.norm3(self.ff(self.norm2(self.attn(self.norm1(x))[..., :512])))[..., :512]
+
+    m = nn.Sequential(Block(), Block())
+    lo, hi = 3 * MiB, 6 * MiB
+    groups = _partition.partition(m, set(), lo, hi)
+    sizes = [sum(p.numel() * p.element_size() for g in grp for p in g.parameters()) for grp in groups]
+    names = {id(x): n for n, x in m.named_modules()}
+    assert len(groups) == 4, [[names[id(x)] for x in g] for g in groups]
+    assert min(sizes) >= lo and max(sizes) <= hi, sizes
+    assert [names[id(x)] for x in groups[0]] == ["0.norm1", "0.attn"]
+    assert [names[id(x)] for x in groups[1]] == ["0.norm2", "0.ff", "0.norm3"]
+    m = nn.Sequential(*[Block() for _ in range(6)]).requires_grad_(False)  # 48 MiB
+    x = torch.randn(2, 512)
+    ref = copy.deepcopy(m)(x)
+    off = spt.offload(m, budget="20MiB", backend="emu")  # units up to 5 MiB
+    # two a block, and the unit of the norms' tensors, which the top level holds
+    assert len(off.units) == 13, [u.name for u in off.units]
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=6)
+    assert torch.equal(out, ref) and per_step > 0
+    off.remove()

@@ -7,7 +7,8 @@ tensors fit `hi` bytes is one unit with everything below it; a larger one is spl
 children, recursively (its own tensors form a unit of their own, held while it runs; a module
 whose tensors are all its own is one unit whatever its size), and runs
 of neighbouring children below `lo` bytes are grouped into one unit, which each of them acquires
-(the first acquire uploads it, the others find it resident). A container that is never called
+(the first acquire uploads it, the others find it resident); a run that stays below `lo` joins
+the child after it, or the unit of children before it at the end, where the sum fits `hi`. A container that is never called
 (ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
 reads its children's weights itself (torch's MultiheadAttention and transformer layers) is never
 split. Weights a parent's own code reads from a child (F.linear(x, self.proj.weight)) are not
@@ -82,11 +83,13 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
             return
         run: Group = []
         run_bytes = 0
+        last = 0  # bytes of groups[-1] when it is a group of m's children made here, else 0
 
         def flush() -> None:
-            nonlocal run, run_bytes
+            nonlocal run, run_bytes, last
             if run:
                 groups.append(run)
+                last = run_bytes
             run, run_bytes = [], 0
 
         for c in _distinct(m.children(), seen):
@@ -96,9 +99,15 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
             if n > hi or not _called(c):
                 flush()
                 visit(c)
+                last = 0
             elif n >= lo:
+                # a run of small modules before c (a norm before its attention) joins c's unit
+                # where both fit, rather than be a unit too small to pay for its hook
+                if run_bytes + n > hi:
+                    flush()
+                run.append(c)
+                run_bytes += n
                 flush()
-                groups.append([c])
             else:
                 if run_bytes + n > hi:
                     flush()
@@ -106,6 +115,9 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
                 run_bytes += n
                 if run_bytes >= lo:
                     flush()
+        if run and last and last + run_bytes <= hi:  # small modules at the end join the unit before
+            groups[-1].extend(run)
+            run = []
         flush()
 
     seen.add(id(module))
