@@ -476,6 +476,61 @@ def test_edits_of_the_weights_between_forwards_reach_the_device():
     off.remove()
 
 
+class LoraLike(nn.Module):
+    """peft's LoRA layer in miniature: a base layer, an adapter added to its output, and merge()
+    and unmerge() that add the adapter into the base weight in place on .data, as peft does."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.1)
+        self.merged = False
+
+    def delta(self) -> torch.Tensor:
+        return self.lora_B.weight @ self.lora_A.weight
+
+    def merge(self) -> None:
+        self.base_layer.weight.data += self.delta()
+        self.merged = True
+
+    def unmerge(self) -> None:
+        self.base_layer.weight.data -= self.delta()
+        self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        return y if self.merged else y + self.lora_B(self.lora_A(x))
+
+
+def test_an_adapter_merged_into_its_offloaded_base_reaches_the_device():
+    """An adapter layer's merge() and unmerge() write the base weight through .data, which no
+    version counter sees (peft's merge_and_unload, a pipeline's fuse_lora): the offload drops the
+    device copies of that base layer's units after each, so forwards compute with the merged
+    weights, also for the units the plan keeps on the device across forwards."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return frozen(nn.Sequential(*[nn.Sequential(LoraLike(nn.Linear(1024, 1024)), nn.Tanh()) for _ in range(8)]))
+
+    m, ref = model(), model()
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="20MiB", **EMU)  # 32 MiB of weights: some stay across forwards
+    for _ in range(4):
+        assert torch.equal(m(x), ref(x))
+    for a, b in zip(m, ref):
+        a[0].merge()
+        b[0].merge()
+    assert torch.equal(m(x), ref(x))
+    assert off.stats()["offload"]["edit_evictions"] >= 8
+    for a, b in zip(m, ref):
+        a[0].unmerge()
+        b[0].unmerge()
+    assert torch.equal(m(x), ref(x))
+    off.remove()
+    assert "merge" not in m[0][0].__dict__  # the wrappers are gone
+
+
 def test_remove_restores_exactly_and_leaves_nothing_held():
     m = make_decoder(layers=3)
     frozen(m)

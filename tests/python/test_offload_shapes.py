@@ -403,7 +403,7 @@ def test_a_pipeline_of_three_modules_under_one_budget():
     assert offs["transformer"].steps == 3 * pipe.scheduler_steps and offs["vae"].steps == 3
     assert offs.context.stats()["held"]["peak"] <= budget
     assert "3 modules under one budget" in offs.summary()
-    # an in-place op on .data (as an adapter's merge does) is seen after refresh_weights()
+    # an in-place op on .data (w.data += d) is seen after refresh_weights()
     w, w_ref = next(pipe.vae.parameters()), next(ref.vae.parameters())
     w.data += 0.5
     w_ref.data += 0.5

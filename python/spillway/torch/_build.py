@@ -209,6 +209,7 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
             _patch.wrap_forward(off, m, off._block_forward(m, m.forward, off._needs[id(m)]))
     _patch.swap_device_property(off, module)
     _patch.guard_conversions(off, module)
+    _edits.watch_merges(off, module)
     inner = module.forward
 
     # the wrapper holds off: an offload lives as long as its module's forward needs it

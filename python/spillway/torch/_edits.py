@@ -9,17 +9,24 @@ buffer's copy goes without a transfer; the next acquire uploads the pack).
 An edit is seen through the tensor's version counter (bumped by every in-place op on the tensor
 or its detached views) and its data pointer (a .data assignment). An in-place op on `.data`
 itself (`w.data += d`) bumps neither and is not seen: do it under torch.no_grad() on the
-parameter, or call Offload.refresh_weights(). The units an optimizer= trains are refreshed by
-its step instead and are not watched."""
+parameter, or call Offload.refresh_weights(). peft's adapter layers do exactly that when they
+merge an adapter into their base weight (merge(), merge_and_unload(), a diffusers pipeline's
+fuse_lora()), so their merge and unmerge are wrapped to drop their base layer's device copies
+(watch_merges). The units an optimizer= trains are refreshed by its step instead and are not
+watched."""
 from __future__ import annotations
 
 import operator
 from typing import Any, List, Sequence, Tuple
 
+import itertools
+
 import torch
+from torch import nn
 
 from .. import _lib
 from ..errors import ConfigError, error_for
+from . import _methods
 from ._units import _Entry, _Unit
 
 _version = operator.attrgetter("_version")
@@ -87,3 +94,32 @@ def evict(units: Sequence[Any]) -> None:
         st = _lib.lib.spw_evict(u.handle)
         if st:
             raise error_for(st)
+
+
+def watch_merges(off: Any, module: nn.Module) -> None:
+    """Wrap merge() and unmerge() of every adapter layer in module (a module with a `base_layer`
+    and those methods: peft's LoRA and its kin), so that after each the device copies of the
+    units holding its base layer's tensors are dropped (Offload._drop_units): the merge wrote
+    into their host views through .data. remove() puts the methods back."""
+    unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
+    for m in module.modules():
+        base = getattr(m, "base_layer", None)
+        if not isinstance(base, nn.Module) or base is m:
+            continue
+        units = {id(u): u for t in itertools.chain(base.parameters(), base.buffers())
+                 for u in (unit_of.get(id(t)),) if u is not None}
+        if not units:
+            continue
+        for name in ("merge", "unmerge"):
+            fn = getattr(m, name, None)
+            if callable(fn):
+                _methods.install(off, m, name, _then_drop(fn, off, list(units.values())))
+
+
+def _then_drop(fn: Any, off: Any, units: List[_Unit]) -> Any:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if not off._closed:
+            off._drop_units(units)
+        return out
+    return call

@@ -594,6 +594,15 @@ class Offload:
         _edits.evict(units)
         self.edit_evictions += len(units)
 
+    def _drop_units(self, units: List[_Unit]) -> None:
+        """Drop the device copies of `units` after an edit of their host copies that no
+        version counter sees (an adapter merged through .data: _edits.watch_merges)."""
+        if self._depth or self._acquired:
+            raise StateError("spillway.torch: an adapter merged during a forward of the offloaded module")
+        self._flush()
+        _edits.evict(units)
+        self.edit_evictions += len(units)
+
     def _end_open_step(self) -> None:
         """End the step a forward left open (activations kept in the budget)."""
         if self._open_step:

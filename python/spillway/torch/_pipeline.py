@@ -98,8 +98,8 @@ class Offloads:
 
     def refresh_weights(self) -> None:
         """Offload.refresh_weights() of every module: after an edit of the weights that no
-        version counter sees (an in-place op on .data, as peft's merge() and so a pipeline's
-        fuse_lora() do), the next forwards upload the host copies."""
+        version counter sees (an in-place op on .data; peft's merge(), and so a pipeline's
+        fuse_lora(), is seen without it), the next forwards upload the host copies."""
         for o in self.offloads:
             o.refresh_weights()
 
