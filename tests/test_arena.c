@@ -438,7 +438,8 @@ int main(void) {
         cmocka_unit_test(rounding),           cmocka_unit_test(trim_all),
         cmocka_unit_test(held_tracks_live),   cmocka_unit_test(segment_mode),
         cmocka_unit_test(large_pages),        cmocka_unit_test(whole_segments),
-        cmocka_unit_test(budget_is_hard), cmocka_unit_test(a_trim_that_frees_nothing_does_not_wait),     cmocka_unit_test(cross_stream_reuse_waits),
+        cmocka_unit_test(budget_is_hard),     cmocka_unit_test(a_trim_that_frees_nothing_does_not_wait),
+        cmocka_unit_test(cross_stream_reuse_waits),
         cmocka_unit_test(hot_path_no_backend_calls), cmocka_unit_test(window_picks_the_best_run),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

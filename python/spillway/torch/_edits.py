@@ -16,10 +16,9 @@ fuse_lora()), so their merge and unmerge are wrapped to drop their base layer's 
 watched."""
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, List, Sequence, Tuple
-
-import itertools
 
 import torch
 from torch import nn

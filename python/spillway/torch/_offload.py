@@ -576,9 +576,7 @@ class Offload:
         since the last forward (_edits)."""
         stale = self._edits.stale()
         if stale:
-            self._flush()
-            _edits.evict(stale)
-            self.edit_evictions += len(stale)
+            self._evict_units(stale)
 
     def refresh_weights(self) -> None:
         """Drop the device copy of every offloaded unit that no optimizer= trains, so that the
@@ -590,15 +588,17 @@ class Offload:
             raise StateError("spillway.torch: refresh_weights() during a forward of the offloaded module")
         self._flush()
         self._edits.stale()  # a .data replaced is copied into its pack first (another shape: an error, nothing dropped)
-        units = [u for u in self.units if not u.trains]
-        _edits.evict(units)
-        self.edit_evictions += len(units)
+        self._evict_units([u for u in self.units if not u.trains])
 
     def _drop_units(self, units: List[_Unit]) -> None:
         """Drop the device copies of `units` after an edit of their host copies that no
         version counter sees (an adapter merged through .data: _edits.watch_merges)."""
         if self._depth or self._acquired:
             raise StateError("spillway.torch: an adapter merged during a forward of the offloaded module")
+        self._evict_units(units)
+
+    def _evict_units(self, units: List[_Unit]) -> None:
+        """Drop the device copies of edited units: the next acquire uploads their packs."""
         self._flush()
         _edits.evict(units)
         self.edit_evictions += len(units)

@@ -5,11 +5,11 @@ them at once (the plan prefetches the next while one runs), and large enough tha
 costs far less than its transfer. partition() walks the tree from the top: a module whose
 tensors fit `hi` bytes is one unit with everything below it; a larger one is split into its
 children, recursively (its own tensors form a unit of their own, held while it runs; a module
-whose tensors are all its own is one unit whatever its size), and runs
-of neighbouring children below `lo` bytes are grouped into one unit, which each of them acquires
-(the first acquire uploads it, the others find it resident); a run that stays below `lo` joins
-the child after it, or the unit of children before it at the end, where the sum fits `hi`. A container that is never called
-(ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
+whose tensors are all its own is one unit whatever its size), and runs of neighbouring children
+below `lo` bytes are grouped into one unit, which each of them acquires (the first acquire
+uploads it, the others find it resident); a run that stays below `lo` joins the child after it,
+or at the end the unit of children before it, where the sum fits `hi`. A container that is
+never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
 reads its children's weights itself (torch's MultiheadAttention and transformer layers) is never
 split. Weights a parent's own code reads from a child (F.linear(x, self.proj.weight)) are not
 seen by the child's hook: such a parent must be one unit (blocks=[...]). Whatever the shape: decoder stacks,
