@@ -1,7 +1,8 @@
 """The fine-tuning flow users run, on a real GPU: peft LoRA on a transformers Llama-shaped model
 (random weights from a config), its frozen base offloaded at a budget below half of it, 20
 AdamW steps beside the same run fully resident: every loss and every LoRA weight bitwise equal,
-and the base's weights really moving in every step. Skipped without CUDA, transformers or peft.
+and the base's weights really moving in every step; then the adapters merged into the offloaded
+base and out again, logits bitwise equal. Skipped without CUDA, transformers or peft.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \\
         python -m pytest -q -s tests/gpu/test_peft_gpu.py
@@ -82,4 +83,30 @@ def test_peft_lora_on_an_offloaded_base_equals_resident_over_20_steps():
           f"budget {budget / 2**20:.1f} MiB, moved {per_step / 2**20:.1f} MiB per step; "
           f"losses {losses[0]:.4f} -> {losses[-1]:.4f}")
     assert n > 0 and len(set(losses)) > 1  # the adapters moved the loss
+    off.remove()
+
+
+def test_peft_merge_into_an_offloaded_base_equals_resident():
+    """merge_adapter(), unmerge_adapter() and merge_and_unload() on a model whose base is
+    offloaded: peft adds each adapter into its base weight through .data, with the adapters on
+    the device and the base between forwards in host memory; the offload runs the add on a
+    device copy and keeps the result. Logits bitwise equal to the same calls on the resident
+    model, the base's weights moving throughout."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = _lora_llama()
+    model = copy.deepcopy(ref)
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    off = spt.offload(model, budget=int(base_bytes * 0.45))
+    ids = torch.randint(0, 2000, (2, 64), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
+        model.merge_adapter()
+        ref.merge_adapter()
+        assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
+        model.unmerge_adapter()
+        ref.unmerge_adapter()
+        assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
+        merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+        assert torch.equal(moved(off, lambda: merged(input_ids=ids).logits), ref_merged(input_ids=ids).logits)
     off.remove()

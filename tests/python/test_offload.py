@@ -491,8 +491,13 @@ class LoraLike(nn.Module):
     def delta(self) -> torch.Tensor:
         return self.lora_B.weight @ self.lora_A.weight
 
-    def merge(self) -> None:
-        self.base_layer.weight.data += self.delta()
+    def merge(self, safe_merge: bool = False) -> None:
+        if safe_merge:  # peft's safe_merge: the sum checked in a copy, then put in place
+            w = self.base_layer.weight.data.clone()
+            w += self.delta()
+            self.base_layer.weight.data = w
+        else:
+            self.base_layer.weight.data += self.delta()
         self.merged = True
 
     def unmerge(self) -> None:
@@ -505,10 +510,11 @@ class LoraLike(nn.Module):
 
 
 def test_an_adapter_merged_into_its_offloaded_base_reaches_the_device():
-    """An adapter layer's merge() and unmerge() write the base weight through .data, which no
-    version counter sees (peft's merge_and_unload, a pipeline's fuse_lora): the offload drops the
-    device copies of that base layer's units after each, so forwards compute with the merged
-    weights, also for the units the plan keeps on the device across forwards."""
+    """An adapter layer's merge() and unmerge() write the base weight through .data (in place,
+    or a new tensor with safe_merge), which no version counter sees (peft's merge_and_unload, a
+    pipeline's fuse_lora): the offload runs them on device copies of the base weights, puts the
+    result in the packs and drops the device copies of those units, so forwards compute with the
+    merged weights, also for the units the plan keeps on the device across forwards."""
     def model() -> nn.Sequential:
         torch.manual_seed(0)
         return frozen(nn.Sequential(*[nn.Sequential(LoraLike(nn.Linear(1024, 1024)), nn.Tanh()) for _ in range(8)]))
@@ -518,11 +524,14 @@ def test_an_adapter_merged_into_its_offloaded_base_reaches_the_device():
     off = spt.offload(m, budget="20MiB", **EMU)  # 32 MiB of weights: some stay across forwards
     for _ in range(4):
         assert torch.equal(m(x), ref(x))
-    for a, b in zip(m, ref):
-        a[0].merge()
-        b[0].merge()
+    for i, (a, b) in enumerate(zip(m, ref)):
+        a[0].merge(safe_merge=i % 2 == 1)
+        b[0].merge(safe_merge=i % 2 == 1)
     assert torch.equal(m(x), ref(x))
     assert off.stats()["offload"]["edit_evictions"] >= 8
+    packs = [(u.pack.data_ptr(), u.pack.data_ptr() + u.pack.numel()) for u in off.units]
+    for a in m:  # the merged weights are in the packs: the parameters are their views still
+        assert any(lo <= a[0].base_layer.weight.data_ptr() < hi for lo, hi in packs)
     for a, b in zip(m, ref):
         a[0].unmerge()
         b[0].unmerge()

@@ -584,17 +584,20 @@ class Offload:
         cannot see (an in-place op on a parameter's .data), or to be sure. Edits through the
         parameters themselves (load_state_dict, in-place ops under no_grad, a .data
         replaced) are found before each forward without it."""
-        if self._depth or self._acquired:
-            raise StateError("spillway.torch: refresh_weights() during a forward of the offloaded module")
+        self._check_between_forwards("refresh_weights()")
         self._flush()
         self._edits.stale()  # a .data replaced is copied into its pack first (another shape: an error, nothing dropped)
         self._evict_units([u for u in self.units if not u.trains])
 
+    def _check_between_forwards(self, what: str) -> None:
+        """StateError unless the offloaded module is between forwards (nothing acquired)."""
+        if self._depth or self._acquired:
+            raise StateError(f"spillway.torch: {what} during a forward of the offloaded module")
+
     def _drop_units(self, units: List[_Unit]) -> None:
         """Drop the device copies of `units` after an edit of their host copies that no
         version counter sees (an adapter merged through .data: _edits.watch_merges)."""
-        if self._depth or self._acquired:
-            raise StateError("spillway.torch: an adapter merged during a forward of the offloaded module")
+        self._check_between_forwards("an adapter merged")
         self._evict_units(units)
 
     def _evict_units(self, units: List[_Unit]) -> None:
