@@ -17,7 +17,6 @@ weights, the result written into the host views, their units' device copies drop
 watched."""
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, List, Sequence, Tuple
 
