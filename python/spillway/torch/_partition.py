@@ -100,15 +100,10 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
                 flush()
                 visit(c)
                 last = 0
-            elif n >= lo:
-                # a run of small modules before c (a norm before its attention) joins c's unit
-                # where both fit, rather than be a unit too small to pay for its hook
-                if run_bytes + n > hi:
-                    flush()
-                run.append(c)
-                run_bytes += n
-                flush()
             else:
+                # c joins the run where both fit: a run of small modules before a child of lo or
+                # more (a norm before its attention) is then part of its unit, not a unit too
+                # small to pay for its hook
                 if run_bytes + n > hi:
                     flush()
                 run.append(c)
