@@ -540,6 +540,53 @@ def test_an_adapter_merged_into_its_offloaded_base_reaches_the_device():
     assert "merge" not in m[0][0].__dict__  # the wrappers are gone
 
 
+def _adapter_blocks() -> nn.Sequential:
+    """Four blocks of four adapter layers over 1024 x 1024 bases (64 MiB in all): at a budget of
+    40 MiB a block is split and the adapter layers are the units (or group two of them)."""
+    torch.manual_seed(0)
+    return frozen(nn.Sequential(*[nn.Sequential(*[LoraLike(nn.Linear(1024, 1024)) for _ in range(4)], nn.Tanh())
+                                  for _ in range(4)]))
+
+
+def _per_call(off, fn) -> tuple:
+    s0 = off.stats()
+    out = fn()
+    s1 = off.stats()
+    return out, s1["offload"]["acquires"] - s0["offload"]["acquires"], s1["bytes_h2d"]["total"] - s0["bytes_h2d"]["total"]
+
+
+def test_a_base_layer_put_in_place_of_its_adapter_layer_takes_over_its_hook():
+    """peft's merge_and_unload() (and unload(), a pipeline's unload_lora_weights()) puts each
+    adapter layer's base layer in its place. Where the partition made adapter layers the units,
+    the base layers must take over their hooks, or they compute from the host views unhooked
+    (on CUDA a device mismatch); also when called from a submodule, as the model that
+    merge_and_unload() returns is."""
+    m, ref = _adapter_blocks(), _adapter_blocks()
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="40MiB", **EMU)
+    assert any(isinstance(h, LoraLike) and id(h) in off._needs for h in m.modules())  # the case: adapter layers are hooked
+    for _ in range(3):
+        m(x)
+    _, acquires, moved = _per_call(off, lambda: m(x))
+    assert moved > 0
+    for mm in (m, ref):
+        for blk in mm:
+            for i in range(4):
+                blk[i].merge()
+                blk[i] = blk[i].base_layer
+    for _ in range(2):
+        assert torch.equal(m(x), ref(x))
+    out, after, moved_after = _per_call(off, lambda: m(x))
+    assert torch.equal(out, ref(x))
+    assert after == acquires and moved_after > 0  # the base layers acquire the units that hold them
+    out, inner, moved_inner = _per_call(off, lambda: m[3](m[2](x)))  # submodules called directly
+    assert torch.equal(out, ref[3](ref[2](x)))
+    assert inner >= 4 and moved_inner > 0
+    off.remove()
+    assert all("forward" not in s.__dict__ for s in m.modules())
+    assert torch.equal(m(x), ref(x))
+
+
 def test_remove_restores_exactly_and_leaves_nothing_held():
     m = make_decoder(layers=3)
     frozen(m)

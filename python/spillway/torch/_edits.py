@@ -9,11 +9,8 @@ buffer's copy goes without a transfer; the next acquire uploads the pack).
 An edit is seen through the tensor's version counter (bumped by every in-place op on the tensor
 or its detached views) and its data pointer (a .data assignment). An in-place op on `.data`
 itself (`w.data += d`) bumps neither and is not seen: do it under torch.no_grad() on the
-parameter, or call Offload.refresh_weights(). peft's adapter layers do exactly that when they
-merge an adapter into their base weight (merge(), merge_and_unload(), a diffusers pipeline's
-fuse_lora()), so their merge and unmerge are wrapped: run on device copies of the base layer's
-weights, the result written into the host views, their units' device copies dropped
-(watch_merges). The units an optimizer= trains are refreshed by its step instead and are not
+parameter, or call Offload.refresh_weights(). peft's adapter layers merge that way; _adapters
+handles them. The units an optimizer= trains are refreshed by its step instead and are not
 watched."""
 from __future__ import annotations
 
@@ -21,11 +18,9 @@ import operator
 from typing import Any, List, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from .. import _lib
 from ..errors import ConfigError, error_for
-from . import _methods
 from ._units import _Entry, _Unit
 
 _version = operator.attrgetter("_version")
@@ -93,46 +88,3 @@ def evict(units: Sequence[Any]) -> None:
         st = _lib.lib.spw_evict(u.handle)
         if st:
             raise error_for(st)
-
-
-def watch_merges(off: Any, module: nn.Module) -> None:
-    """Wrap merge() and unmerge() of every adapter layer in module (a module with a `base_layer`
-    and those methods: peft's LoRA and its kin), which add the adapter into the base weight in
-    place through .data. Between forwards the base layer's offloaded tensors are host views and
-    the adapters sit on the device, where that add would mix devices: for the call, each of
-    them is a copy on the offload's device, and after it the values (merged) go back into the
-    host view, the parameter points at it again, and the device copies of its units are dropped
-    (Offload._drop_units). remove() puts the methods back."""
-    unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
-    for m in module.modules():
-        base = getattr(m, "base_layer", None)
-        if not isinstance(base, nn.Module) or base is m:
-            continue
-        params = [p for p in base.parameters() if id(p) in unit_of]
-        units = list({id(unit_of[id(p)]): unit_of[id(p)] for p in params}.values())
-        if not units:
-            continue
-        for name in ("merge", "unmerge"):
-            fn = getattr(m, name, None)
-            if callable(fn):
-                _methods.install(off, m, name, _merged_on_device(fn, off, params, units))
-
-
-def _merged_on_device(fn: Any, off: Any, params: List[torch.Tensor], units: List[_Unit]) -> Any:
-    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if off._closed:
-            return fn(*args, **kwargs)
-        off._check_between_forwards("an adapter merged")
-        views = [p.data for p in params]
-        for p, v in zip(params, views):
-            p.data = v.to(off.device)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for p, v in zip(params, views):
-                    if p.data_ptr() != v.data_ptr():  # a copy (the device's), or a new tensor
-                        v.copy_(p.data)
-                    p.data = v
-            off._drop_units(units)
-    return call

@@ -596,7 +596,7 @@ class Offload:
 
     def _drop_units(self, units: List[_Unit]) -> None:
         """Drop the device copies of `units` after an edit of their host copies that no
-        version counter sees (an adapter merged through .data: _edits.watch_merges)."""
+        version counter sees (an adapter merged through .data: _adapters.watch_merges)."""
         self._check_between_forwards("an adapter merged")
         self._evict_units(units)
 

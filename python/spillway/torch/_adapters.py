@@ -1,0 +1,92 @@
+"""peft-style adapter layers (a module with a `base_layer`: peft's LoRA and its kin) over an
+offloaded base, between forwards.
+
+Merges: an adapter layer's merge() and unmerge() add the adapter into the base weight in place
+through .data (merge_adapter(), merge_and_unload(), a diffusers pipeline's fuse_lora()), which
+no version counter sees (_edits), and with the adapters on the device and the base's weights in
+host memory between forwards that add would mix devices. So they are wrapped (watch_merges).
+
+Unloads: merge_and_unload(), unload() and a pipeline's unload_lora_weights() put each adapter
+layer's base layer in its place. Where the partition made adapter layers units (or the first or
+last module of one), their base layers would then run unhooked, from the host views (on CUDA a
+device mismatch), also when the caller goes on with the unwrapped model merge_and_unload()
+returns, whose forward is not the offloaded module's. So each such base layer's forward is
+wrapped ahead (stand_by): called by its adapter layer, which holds the units, it runs as it is;
+called without them, it acquires them itself."""
+from __future__ import annotations
+
+import time
+from typing import Any, List
+
+import torch
+from torch import nn
+
+from . import _methods, _patch
+from ._units import _Unit
+
+
+def watch_merges(off: Any, module: nn.Module) -> None:
+    """Wrap merge() and unmerge() of every adapter layer in module (a module with a `base_layer`
+    and those methods: peft's LoRA and its kin), which add the adapter into the base weight in
+    place through .data. Between forwards the base layer's offloaded tensors are host views and
+    the adapters sit on the device, where that add would mix devices: for the call, each of
+    them is a copy on the offload's device, and after it the values (merged) go back into the
+    host view, the parameter points at it again, and the device copies of its units are dropped
+    (Offload._drop_units). remove() puts the methods back."""
+    unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
+    for m in module.modules():
+        base = getattr(m, "base_layer", None)
+        if not isinstance(base, nn.Module) or base is m:
+            continue
+        params = [p for p in base.parameters() if id(p) in unit_of]
+        units = list({id(unit_of[id(p)]): unit_of[id(p)] for p in params}.values())
+        if not units:
+            continue
+        for name in ("merge", "unmerge"):
+            fn = getattr(m, name, None)
+            if callable(fn):
+                _methods.install(off, m, name, _merged_on_device(fn, off, params, units))
+
+
+def _merged_on_device(fn: Any, off: Any, params: List[torch.Tensor], units: List[_Unit]) -> Any:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if off._closed:
+            return fn(*args, **kwargs)
+        off._check_between_forwards("an adapter merged")
+        views = [p.data for p in params]
+        for p, v in zip(params, views):
+            p.data = v.to(off.device)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for p, v in zip(params, views):
+                    if p.data_ptr() != v.data_ptr():  # a copy (the device's), or a new tensor
+                        v.copy_(p.data)
+                    p.data = v
+            off._drop_units(units)
+    return call
+
+
+def stand_by(off: Any, hooked: List[nn.Module]) -> None:
+    """Wrap the forward of the base layer of every hooked adapter layer (not hooked itself) so
+    that it acquires the adapter layer's units whenever they are not held (see the module's
+    docstring). remove() unwraps them with the rest."""
+    for m in hooked:
+        base = getattr(m, "base_layer", None)
+        if isinstance(base, nn.Module) and base is not m and id(base) not in off._needs:
+            _patch.wrap_forward(off, base, _standing_by(off, base, base.forward, off._needs[id(m)]))
+
+
+def _standing_by(off: Any, module: nn.Module, inner: Any, units: List[_Unit]) -> Any:
+    every, inner_units = off._hook_units(units)
+
+    def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if mod is not module:
+            return _patch.copied_forward(mod, args, kwargs)
+        need = inner_units if off._depth else every
+        for u in need:
+            if not u.refs:
+                return off._units_call(inner, need, args, kwargs, time.perf_counter_ns())
+        return inner(*args, **kwargs)  # its adapter layer holds the units
+    return forward
