@@ -86,22 +86,26 @@ def test_peft_lora_on_an_offloaded_base_equals_resident_over_20_steps():
     off.remove()
 
 
-@pytest.mark.parametrize("fraction", [0.45, 0.2])
-def test_peft_merge_into_an_offloaded_base_equals_resident(fraction):
+@pytest.mark.parametrize("fraction,frozen", [(0.45, False), (0.2, False), (0.2, True)])
+def test_peft_merge_into_an_offloaded_base_equals_resident(fraction, frozen):
     """merge_adapter(), unmerge_adapter() and merge_and_unload() on a model whose base is
     offloaded: peft adds each adapter into its base weight through .data, with the adapters on
     the device and the base between forwards in host memory; the offload runs the add on a
     device copy and keeps the result. At a fifth of the base, the MLPs are split and their LoRA
     layers are units: merge_and_unload() puts their base layers in their places, which take over
-    their hooks. Logits bitwise equal to the same calls on the resident model, the base's
-    weights moving throughout."""
+    their hooks. Frozen adapters (a LoRA loaded for inference) are offloaded with the base, and
+    the merge runs on device copies of them too. Logits bitwise equal to the same calls on the
+    resident model, the base's weights moving throughout."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = _lora_llama()
+    if frozen:
+        ref.requires_grad_(False)
     model = copy.deepcopy(ref)
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     off = spt.offload(model, budget=int(base_bytes * fraction))
     lora_hooked = sum(hasattr(m, "base_layer") and id(m) in off._needs for m in model.modules())
-    print(f"\npeft merge at {fraction:.2f} of the base: {len(off.units)} units, {lora_hooked} LoRA layers hooked")
+    print(f"\npeft merge at {fraction:.2f} of the base{' (adapters frozen)' if frozen else ''}: "
+          f"{len(off.units)} units, {lora_hooked} LoRA layers hooked")
     assert (lora_hooked > 0) == (fraction < 0.3)
     ids = torch.randint(0, 2000, (2, 64), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
     with torch.no_grad():

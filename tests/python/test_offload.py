@@ -492,6 +492,7 @@ class LoraLike(nn.Module):
         return self.lora_B.weight @ self.lora_A.weight
 
     def merge(self, safe_merge: bool = False) -> None:
+        self.seen = [t.data_ptr() for t in self.parameters()]  # where the merge found its tensors
         if safe_merge:  # peft's safe_merge: the sum checked in a copy, then put in place
             w = self.base_layer.weight.data.clone()
             w += self.delta()
@@ -501,6 +502,7 @@ class LoraLike(nn.Module):
         self.merged = True
 
     def unmerge(self) -> None:
+        self.seen = [t.data_ptr() for t in self.parameters()]
         self.base_layer.weight.data -= self.delta()
         self.merged = False
 
@@ -530,11 +532,16 @@ def test_an_adapter_merged_into_its_offloaded_base_reaches_the_device():
     assert torch.equal(m(x), ref(x))
     assert off.stats()["offload"]["edit_evictions"] >= 8
     packs = [(u.pack.data_ptr(), u.pack.data_ptr() + u.pack.numel()) for u in off.units]
+    in_pack = lambda ptr: any(lo <= ptr < hi for lo, hi in packs)  # noqa: E731
     for a in m:  # the merged weights are in the packs: the parameters are their views still
-        assert any(lo <= a[0].base_layer.weight.data_ptr() < hi for lo, hi in packs)
+        assert in_pack(a[0].base_layer.weight.data_ptr())
+        # the merge ran on device copies of all the layer's offloaded tensors, the frozen
+        # adapters' too (a pipeline's loaded LoRA): on CUDA host views would mix devices
+        assert not any(map(in_pack, a[0].seen))
     for a, b in zip(m, ref):
         a[0].unmerge()
         b[0].unmerge()
+        assert not any(map(in_pack, a[0].seen))
     assert torch.equal(m(x), ref(x))
     off.remove()
     assert "merge" not in m[0][0].__dict__  # the wrappers are gone

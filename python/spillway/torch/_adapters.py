@@ -28,17 +28,18 @@ from ._units import _Unit
 def watch_merges(off: Any, module: nn.Module) -> None:
     """Wrap merge() and unmerge() of every adapter layer in module (a module with a `base_layer`
     and those methods: peft's LoRA and its kin), which add the adapter into the base weight in
-    place through .data. Between forwards the base layer's offloaded tensors are host views and
-    the adapters sit on the device, where that add would mix devices: for the call, each of
-    them is a copy on the offload's device, and after it the values (merged) go back into the
-    host view, the parameter points at it again, and the device copies of its units are dropped
+    place through .data. Between forwards the layer's offloaded tensors (the base's, and the
+    adapters' too where they are frozen, as a pipeline's loaded LoRA is) are host views, and
+    the rest sits on the device, where that add would mix devices: for the call, each of them
+    is a copy on the offload's device, and after it the values (merged) go back into the host
+    view, the parameter points at it again, and the device copies of its units are dropped
     (Offload._drop_units). remove() puts the methods back."""
     unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
     for m in module.modules():
         base = getattr(m, "base_layer", None)
         if not isinstance(base, nn.Module) or base is m:
             continue
-        params = [p for p in base.parameters() if id(p) in unit_of]
+        params = [p for p in m.parameters() if id(p) in unit_of]
         units = list({id(unit_of[id(p)]): unit_of[id(p)] for p in params}.values())
         if not units:
             continue
@@ -55,7 +56,7 @@ def _merged_on_device(fn: Any, off: Any, params: List[torch.Tensor], units: List
         off._check_between_forwards("an adapter merged")
         views = [p.data for p in params]
         for p, v in zip(params, views):
-            p.data = v.to(off.device)
+            p.data = v.to(off.device, copy=True)  # a copy also where the device is the host's (emu)
         try:
             return fn(*args, **kwargs)
         finally:
