@@ -894,6 +894,12 @@ def test_non_module_empty_module_trainable_module_and_twice():
     with pytest.raises(spillway.InvalidArgument, match="require grad.*requires_grad_"):
         spt.offload(trainable, budget="4MiB", offload_trainable=False, **EMU)
     assert_unchanged(trainable, snap)
+    meta = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64, device="meta"))
+    with pytest.raises(spillway.InvalidArgument, match="'meta' device; load its weights first"):
+        spt.offload(meta, budget="4MiB", **EMU)
+    meta[1]._hf_hook = object()  # what accelerate's dispatch (device_map=...) leaves on a module
+    with pytest.raises(spillway.InvalidArgument, match="accelerate's hooks.*without device_map"):
+        spt.offload(meta, budget="4MiB", **EMU)
     m = frozen(make_stack())
     off = spt.offload(m, budget="4MiB", **EMU)
     with pytest.raises(spillway.StateError, match="already offloaded"):

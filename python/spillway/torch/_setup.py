@@ -46,6 +46,11 @@ def check_module(module: nn.Module, blocks: Optional[Sequence[nn.Module]]) -> Tu
         raise InvalidArgument(f"offload: {type(module).__name__} has no parameters")
     for t in params + list(module.buffers()):
         if t.device.type == "meta":
+            if any(hasattr(m, "_hf_hook") for m in module.modules()):
+                raise InvalidArgument(
+                    "offload: the module's weights are on the 'meta' device, loaded on demand by accelerate's hooks "
+                    "(from_pretrained(..., device_map=...) or an accelerate offload); load it without device_map, "
+                    "its weights in host memory, and offload that: spillway places them on the device")
             raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
     names = _module_names(module)
     if blocks is not None:
