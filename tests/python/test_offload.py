@@ -562,6 +562,31 @@ def _per_call(off, fn) -> tuple:
     return out, s1["offload"]["acquires"] - s0["offload"]["acquires"], s1["bytes_h2d"]["total"] - s0["bytes_h2d"]["total"]
 
 
+def test_the_innermost_base_layer_of_stacked_adapter_layers_takes_over_their_hook():
+    """Adapter layers stacked (one over another): peft puts the innermost base layer in place."""
+    def stacked() -> LoraLike:
+        inner = LoraLike(nn.Linear(1024, 1024))
+        inner.in_features = inner.out_features = 1024
+        return LoraLike(inner)
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return frozen(nn.Sequential(*[nn.Sequential(*[stacked() for _ in range(4)], nn.Tanh()) for _ in range(4)]))
+    m, ref = model(), model()
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="40MiB", **EMU)
+    assert any(isinstance(h, LoraLike) and id(h) in off._needs for h in m.modules())
+    for _ in range(2):
+        m(x)
+    for mm in (m, ref):
+        for blk in mm:
+            for i in range(4):
+                blk[i] = blk[i].base_layer.base_layer
+    out, acquires, moved = _per_call(off, lambda: m(x))
+    assert torch.equal(out, ref(x)) and acquires >= 16 and moved > 0
+    off.remove()
+
+
 def test_a_base_layer_put_in_place_of_its_adapter_layer_takes_over_its_hook():
     """peft's merge_and_unload() (and unload(), a pipeline's unload_lora_weights()) puts each
     adapter layer's base layer in its place. Where the partition made adapter layers the units,

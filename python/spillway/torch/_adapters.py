@@ -72,11 +72,15 @@ def _merged_on_device(fn: Any, off: Any, params: List[torch.Tensor], units: List
 def stand_by(off: Any, hooked: List[nn.Module]) -> None:
     """Wrap the forward of the base layer of every hooked adapter layer (not hooked itself) so
     that it acquires the adapter layer's units whenever they are not held (see the module's
-    docstring). remove() unwraps them with the rest."""
+    docstring); down a chain of base layers (an adapter layer over another), each of them, since
+    peft puts the innermost in place. remove() unwraps them with the rest."""
     for m in hooked:
-        base = getattr(m, "base_layer", None)
-        if isinstance(base, nn.Module) and base is not m and id(base) not in off._needs:
-            _patch.wrap_forward(off, base, _standing_by(off, base, base.forward, off._needs[id(m)]))
+        base, seen = getattr(m, "base_layer", None), {id(m)}
+        while isinstance(base, nn.Module) and id(base) not in seen:
+            seen.add(id(base))
+            if id(base) not in off._needs:
+                _patch.wrap_forward(off, base, _standing_by(off, base, base.forward, off._needs[id(m)]))
+            base = getattr(base, "base_layer", None)
 
 
 def _standing_by(off: Any, module: nn.Module, inner: Any, units: List[_Unit]) -> Any:
