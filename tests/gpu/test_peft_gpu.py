@@ -2,7 +2,8 @@
 (random weights from a config), its frozen base offloaded at a budget below half of it, 20
 AdamW steps beside the same run fully resident: every loss and every LoRA weight bitwise equal,
 and the base's weights really moving in every step; then the adapters merged into the offloaded
-base and out again, logits bitwise equal. Skipped without CUDA, transformers or peft.
+base and out again, and adapters added after offload(), logits bitwise equal. Skipped without
+CUDA, transformers or peft.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \\
         python -m pytest -q -s tests/gpu/test_peft_gpu.py
@@ -30,16 +31,22 @@ DEV = torch.device("cuda", torch.cuda.current_device())
 STEPS = 20
 
 
-def _lora_llama():
+def _llama():
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=2000,
                                    attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(DEV):  # random init on the device: fast
-        base = transformers.LlamaForCausalLM(cfg)
-    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def _lora_config():
+    return peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(base, lora)
+
+
+def _lora_llama():
+    model = peft.get_peft_model(_llama(), _lora_config())
     with torch.no_grad():  # LoRA's B starts at zero: make every adapter matter from step one
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -118,5 +125,35 @@ def test_peft_merge_into_an_offloaded_base_equals_resident(fraction, frozen):
         ref.unmerge_adapter()
         assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
         merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+        assert torch.equal(moved(off, lambda: merged(input_ids=ids).logits), ref_merged(input_ids=ids).logits)
+    off.remove()
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.2])
+def test_peft_adapters_added_after_offload_equal_resident(fraction):
+    """LoRA adapters added to a model already offloaded (get_peft_model, load_adapter, a
+    pipeline's load_lora_weights): peft makes them on the device of the weights they wrap, host
+    memory between forwards, and the next forward takes them to the device. Logits bitwise equal
+    to the same adapters on the resident model, then merged and unloaded."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = _llama().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    off = spt.offload(model, budget=int(base_bytes * fraction))
+    ids = torch.randint(0, 2000, (2, 64), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
+    ref_p, model_p = peft.get_peft_model(ref, _lora_config()), peft.get_peft_model(model, _lora_config())
+    want = dict(ref_p.named_parameters())
+    with torch.no_grad():  # the same adapter values on both, B not zero
+        for n, p in model_p.named_parameters():
+            if "lora_" in n:
+                if "lora_B" in n:
+                    want[n].normal_(0, 0.02)
+                p.copy_(want[n])
+        for _ in range(2):
+            assert torch.equal(moved(off, lambda: model_p(input_ids=ids).logits), ref_p(input_ids=ids).logits)
+        assert all(p.device == DEV for n, p in model_p.named_parameters() if "lora_" in n)
+        merged, ref_merged = model_p.merge_and_unload(), ref_p.merge_and_unload()
         assert torch.equal(moved(off, lambda: merged(input_ids=ids).logits), ref_merged(input_ids=ids).logits)
     off.remove()

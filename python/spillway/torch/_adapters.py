@@ -16,7 +16,7 @@ called without them, it acquires them itself."""
 from __future__ import annotations
 
 import time
-from typing import Any, List
+from typing import Any, Iterable, List
 
 import torch
 from torch import nn
@@ -25,9 +25,9 @@ from . import _methods, _patch
 from ._units import _Unit
 
 
-def watch_merges(off: Any, module: nn.Module) -> None:
-    """Wrap merge() and unmerge() of every adapter layer in module (a module with a `base_layer`
-    and those methods: peft's LoRA and its kin), which add the adapter into the base weight in
+def watch_merges(off: Any, modules: Iterable[nn.Module]) -> None:
+    """Wrap merge() and unmerge() of every adapter layer among modules (a module with a
+    `base_layer` and those methods: peft's LoRA and its kin), which add the adapter into the base weight in
     place through .data. Between forwards the layer's offloaded tensors (the base's, and the
     adapters' too where they are frozen, as a pipeline's loaded LoRA is) are host views, and
     the rest sits on the device, where that add would mix devices: for the call, each of them
@@ -35,7 +35,7 @@ def watch_merges(off: Any, module: nn.Module) -> None:
     view, the parameter points at it again, and the device copies of its units are dropped
     (Offload._drop_units). remove() puts the methods back."""
     unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
-    for m in module.modules():
+    for m in modules:
         base = getattr(m, "base_layer", None)
         if not isinstance(base, nn.Module) or base is m:
             continue

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import _lib
 from ..core import Context
-from . import _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _recompute, _setup, _train, _views
+from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._units import _Unit, _param_owners
@@ -209,8 +209,9 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
             _patch.wrap_forward(off, m, off._block_forward(m, m.forward, off._needs[id(m)]))
     _patch.swap_device_property(off, module)
     _patch.guard_conversions(off, module)
-    _adapters.watch_merges(off, module)
+    _adapters.watch_merges(off, module.modules())
     _adapters.stand_by(off, [m for m in hooked if m is not module])
+    _added.watch(off, module)
     inner = module.forward
 
     # the wrapper holds off: an offload lives as long as its module's forward needs it

@@ -84,7 +84,7 @@ from torch import nn
 from .. import _lib
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _alloc, _build, _edits, _parallel, _patch, _report, _train, _views
+from . import _adapters, _added, _alloc, _build, _edits, _parallel, _patch, _report, _train, _views
 from ._errors import OutOfMemoryError, stray_error
 from ._saved import saving
 from ._units import _DevSet, _Unit, _columns, _storage_at
@@ -435,6 +435,8 @@ class Offload:
         through a reference to the wrapper kept past remove(): then inner alone)."""
         if self._closed:
             return inner(*args, **kwargs)
+        if self._added and not self._depth:
+            self._take_in_added()
         done = 0
         try:
             for u in units:
@@ -519,6 +521,8 @@ class Offload:
                 _parallel.check_not_wrapped(self.module)
             elif self._recompute is not None and grad:
                 self._recompute.forward_began()
+            if self._added:
+                self._take_in_added()
             self._drop_edited()
         except BaseException:
             self._depth = 0
@@ -570,6 +574,11 @@ class Offload:
                 self._edits.forward_ended()  # the buffers it wrote are written through
                 if self._update is not None:  # every unit it updates was waited for, or unused
                     self.synchronize()
+
+    def _take_in_added(self) -> None:
+        """Modules registered in the tree since the last forward (_added): their tensors to the
+        device, their adapter layers' merges wrapped."""
+        _adapters.watch_merges(self, _added.take_in(self))
 
     def _drop_edited(self) -> None:
         """Before a forward: drop the device copies of the units whose host tensors were edited

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import errors as _errors
 from ..errors import ConfigError
-from . import _methods, _parallel, _train
+from . import _added, _methods, _parallel, _train
 from ._setup import ACTIVE
 
 
@@ -107,6 +107,7 @@ def undo(off: Any) -> None:
         off._ahead = None
     off._closed = True
     ACTIVE.pop(off.module, None)
+    _added.unwatch(off)
     for obj, name, had, prev, ours in reversed(getattr(off, "_method_wraps", [])):
         if obj.__dict__.get(name) is ours:  # else something wrapped it since (an LR scheduler): ours only calls through
             if had:
