@@ -125,7 +125,9 @@ def test_peft_merge_into_an_offloaded_base_equals_resident(fraction, frozen):
         ref.unmerge_adapter()
         assert torch.equal(moved(off, lambda: model(input_ids=ids).logits), ref(input_ids=ids).logits)
         merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+        steps = off.stats()["offload"]["steps"]
         assert torch.equal(moved(off, lambda: merged(input_ids=ids).logits), ref_merged(input_ids=ids).logits)
+        assert off.stats()["offload"]["steps"] == steps + 1  # the merged model's forward is a step
     off.remove()
 
 

@@ -562,6 +562,46 @@ def _per_call(off, fn) -> tuple:
     return out, s1["offload"]["acquires"] - s0["offload"]["acquires"], s1["bytes_h2d"]["total"] - s0["bytes_h2d"]["total"]
 
 
+class PeftLike(nn.Module):
+    """peft's PeftModel in miniature: a wrapper whose merge_and_unload() merges every adapter
+    layer below it, puts the base layers in their places and returns the model it wraps."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.base_model = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_model(x)
+
+    def merge_and_unload(self) -> nn.Module:
+        for blk in self.base_model:
+            for i, layer in enumerate(blk):
+                if isinstance(layer, LoraLike):
+                    layer.merge()
+                    blk[i] = layer.base_layer
+        return self.base_model
+
+
+def test_the_model_merge_and_unload_returns_runs_the_plans_steps():
+    """merge_and_unload() returns the wrapped model, whose forward is not the offloaded
+    module's: it gets a top-level forward of its own, so that its forwards are steps (the plan
+    learns them) and not loose acquires."""
+    m, ref = PeftLike(_adapter_blocks()), PeftLike(_adapter_blocks())
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="40MiB", **EMU)
+    for _ in range(2):
+        m(x)
+    merged, ref_merged = m.merge_and_unload(), ref.merge_and_unload()
+    steps = off.stats()["offload"]["steps"]
+    for _ in range(3):
+        assert torch.equal(merged(x), ref_merged(x))
+    assert off.stats()["offload"]["steps"] == steps + 3
+    assert torch.equal(m(x), ref(x))  # the wrapper still runs, one step a forward
+    assert off.stats()["offload"]["steps"] == steps + 4
+    off.remove()
+    assert "forward" not in merged.__dict__ and "merge_and_unload" not in m.__dict__
+
+
 def test_the_innermost_base_layer_of_stacked_adapter_layers_takes_over_their_hook():
     """Adapter layers stacked (one over another): peft puts the innermost base layer in place."""
     def stacked() -> LoraLike:

@@ -12,7 +12,9 @@ last module of one), their base layers would then run unhooked, from the host vi
 device mismatch), also when the caller goes on with the unwrapped model merge_and_unload()
 returns, whose forward is not the offloaded module's. So each such base layer's forward is
 wrapped ahead (stand_by): called by its adapter layer, which holds the units, it runs as it is;
-called without them, it acquires them itself."""
+called without them, it acquires them itself. And the model merge_and_unload() (or unload())
+returns gets a top-level forward of its own (follow_unloads), so that its forwards are the
+plan's steps as the offloaded module's were."""
 from __future__ import annotations
 
 import time
@@ -95,3 +97,26 @@ def _standing_by(off: Any, module: nn.Module, inner: Any, units: List[_Unit]) ->
                 return off._units_call(inner, need, args, kwargs, time.perf_counter_ns())
         return inner(*args, **kwargs)  # its adapter layer holds the units
     return forward
+
+
+def follow_unloads(off: Any, module: nn.Module, wrap_top: Any) -> None:
+    """Wrap merge_and_unload() and unload() of every module in module's tree that has them
+    (peft's PeftModel and the tuner model under it): the module they return, when it is a part
+    of the offloaded tree and not the offloaded module itself, gets a top-level forward
+    (wrap_top(off, it), _build's)."""
+    for m in module.modules():
+        for name in ("merge_and_unload", "unload"):
+            fn = getattr(m, name, None)
+            if callable(fn):
+                _methods.install(off, m, name, _unloading(fn, off, module, wrap_top))
+
+
+def _unloading(fn: Any, off: Any, root: nn.Module, wrap_top: Any) -> Any:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if (not off._closed and isinstance(out, nn.Module) and out is not root and id(out) not in off._tops
+                and any(out is m for m in root.modules())):
+            off._tops.add(id(out))
+            wrap_top(off, out)
+        return out
+    return call

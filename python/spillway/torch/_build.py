@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -122,6 +122,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._grad_hooks: List[Any] = []
     # (module, whether its forward was an instance attribute, that attribute): see _patch.wrap_forward
     off._wrapped: List[Tuple[nn.Module, bool, Any]] = []
+    off._tops: Set[int] = set()  # ids of modules given a top-level forward besides module (_adapters.follow_unloads)
     off._ctx_handle = off.context._handle
     off._emu = backend == "emu"
     off._acquired: Dict[int, _Unit] = {}  # devptr -> unit, for the saved-tensor lookup
@@ -211,7 +212,14 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
     _patch.guard_conversions(off, module)
     _adapters.watch_merges(off, module.modules())
     _adapters.stand_by(off, [m for m in hooked if m is not module])
+    _adapters.follow_unloads(off, module, wrap_top)
     _added.watch(off, module)
+    wrap_top(off, module)
+
+
+def wrap_top(off: "Offload", module: nn.Module) -> None:
+    """Make module's forward a top-level one (_top_forward: steps, edits and additions looked
+    at first): the offloaded module's, and the model peft's merge_and_unload() returns from it."""
     inner = module.forward
 
     # the wrapper holds off: an offload lives as long as its module's forward needs it
