@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import types
 import weakref
 from typing import Optional
 
@@ -600,6 +601,48 @@ def test_the_model_merge_and_unload_returns_runs_the_plans_steps():
     assert off.stats()["offload"]["steps"] == steps + 4
     off.remove()
     assert "forward" not in merged.__dict__ and "merge_and_unload" not in m.__dict__
+
+
+def test_modules_registered_after_offload_are_taken_in(monkeypatch):
+    """Where torch reports module registrations (2.0 on; here on torch 1.x the hook is called as
+    torch's Module.__setattr__ calls it), an adapter layer put into an offloaded model marks the
+    offload, and its next forward takes the new modules in: their merges wrapped, watched from
+    then on (on CUDA also their tensors moved to the device: tests/gpu/test_peft_gpu.py). A
+    registration elsewhere marks nothing; remove() takes the hook out with the last offload."""
+    from spillway.torch import _added
+    hooks = []
+
+    def register(h):
+        hooks.append(h)
+        return types.SimpleNamespace(remove=lambda: hooks.remove(h))
+
+    monkeypatch.setattr(_added, "_register", register)
+    monkeypatch.setattr(_added, "_handle", None)
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return frozen(nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)]))
+
+    m, ref = model(), model()
+    x = torch.randn(4, 1024)
+    off = spt.offload(m, budget="6MiB", **EMU)
+    m(x)
+    assert len(hooks) == 1 and not off._added
+    hooks[0](nn.Sequential(), "0", nn.Linear(2, 2))  # a module built elsewhere
+    assert not off._added
+    for mm in (m, ref):
+        torch.manual_seed(1)
+        mm[2][0] = LoraLike(mm[2][0])
+    hooks[0](m[2], "0", m[2][0])
+    assert off._added
+    assert torch.equal(m(x), ref(x))
+    assert not off._added and m[2][0] in off._watched and "merge" in m[2][0].__dict__
+    m[2][0].merge()
+    ref[2][0].merge()
+    _, _, moved = _per_call(off, lambda: m(x))
+    assert torch.equal(m(x), ref(x)) and moved > 0
+    off.remove()
+    assert hooks == [] and "merge" not in m[2][0].__dict__
 
 
 def test_the_innermost_base_layer_of_stacked_adapter_layers_takes_over_their_hook():
