@@ -35,7 +35,7 @@ def watch_merges(off: Any, modules: Iterable[nn.Module]) -> None:
     the rest sits on the device, where that add would mix devices: for the call, each of them
     is a copy on the offload's device, and after it the values (merged) go back into the host
     view, the parameter points at it again, and the device copies of its units are dropped
-    (Offload._drop_units). remove() puts the methods back."""
+    (Offload._evict_units). remove() puts the methods back."""
     unit_of = {id(e.tensor): u for u in off.units if not u.trains for e in u.entries}
     for m in modules:
         base = getattr(m, "base_layer", None)
@@ -64,10 +64,9 @@ def _merged_on_device(fn: Any, off: Any, params: List[torch.Tensor], units: List
         finally:
             with torch.no_grad():
                 for p, v in zip(params, views):
-                    if p.data_ptr() != v.data_ptr():  # a copy (the device's), or a new tensor
-                        v.copy_(p.data)
+                    v.copy_(p.data)  # the device copy, or the new tensor fn put there
                     p.data = v
-            off._drop_units(units)
+            off._evict_units(units)
     return call
 
 

@@ -205,13 +205,13 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
 def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
     """Wrap the forward of each hooked module (_block_forward) and of the top level (_top_forward)."""
     off._top_units = off._needs.get(id(module), [])
-    for m in hooked:
-        if m is not module:  # the top level acquires its own units inside its forward wrapper
-            _patch.wrap_forward(off, m, off._block_forward(m, m.forward, off._needs[id(m)]))
+    below = [m for m in hooked if m is not module]  # the top level acquires its own units in its wrapper
+    for m in below:
+        _patch.wrap_forward(off, m, off._block_forward(m, m.forward, off._needs[id(m)]))
     _patch.swap_device_property(off, module)
     _patch.guard_conversions(off, module)
     _adapters.watch_merges(off, module.modules())
-    _adapters.stand_by(off, [m for m in hooked if m is not module])
+    _adapters.stand_by(off, below)
     _adapters.follow_unloads(off, module, wrap_top)
     _added.watch(off, module)
     wrap_top(off, module)

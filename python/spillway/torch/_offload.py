@@ -603,14 +603,10 @@ class Offload:
         if self._depth or self._acquired:
             raise StateError(f"spillway.torch: {what} during a forward of the offloaded module")
 
-    def _drop_units(self, units: List[_Unit]) -> None:
-        """Drop the device copies of `units` after an edit of their host copies that no
-        version counter sees (an adapter merged through .data: _adapters.watch_merges)."""
-        self._check_between_forwards("an adapter merged")
-        self._evict_units(units)
-
     def _evict_units(self, units: List[_Unit]) -> None:
-        """Drop the device copies of edited units: the next acquire uploads their packs."""
+        """Drop the device copies of edited units (also after an edit no version counter sees:
+        an adapter merged through .data, _adapters.watch_merges): the next acquire uploads
+        their packs."""
         self._flush()
         _edits.evict(units)
         self.edit_evictions += len(units)
