@@ -299,21 +299,20 @@ def test_backward_composes_with_other_saved_tensor_hooks(how):
     check_backward_composes(how, DEV, **CUDA)
 
 
-def test_a_module_added_after_offload_stays_on_the_host_and_is_named():
+def test_a_module_added_after_offload_is_taken_in_on_the_device():
     """peft's situation on a real device: a module made after offload() beside the weights' host
-    copies (on the CPU) and used in the forward: PyTorch's device mismatch becomes a ConfigError
-    naming it; moved to the device, the forward runs and equals the resident model's."""
+    copies (on the CPU) and used in the forward. torch 2 reports the registration, and the next
+    forward first moves the new module's tensors to the device (the Parameter objects kept): the
+    forward runs, equals the resident model's with the same module, and the weights still move."""
     m = frozen(WithAdapter(dim=1024)).to(DEV)  # 32 MiB fp32
     ref = copy.deepcopy(m)
     off = spt.offload(m, budget="12MiB", **CUDA)
     x = torch.randn(4, 1024, device=DEV)
     m.adapter = nn.Linear(1024, 1024)  # on the CPU, as the offloaded weights are between forwards
-    with pytest.raises(spillway.ConfigError, match=r"'adapter.weight' \(cpu\), 'adapter.bias' \(cpu\) not offloaded"):
-        with torch.no_grad():
-            m(x)
-    assert not off._acquired
-    m.adapter.to(DEV)
-    ref.adapter = copy.deepcopy(m.adapter)
+    ref.adapter = copy.deepcopy(m.adapter).to(DEV)
+    weight = m.adapter.weight
     with torch.no_grad():
         assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    assert m.adapter.weight is weight and weight.device.type == "cuda"
+    assert not off._acquired
     off.remove()
