@@ -247,8 +247,8 @@ static void test_nested_and_streams(void **state) {
 }
 
 /* A streamed buffer's cycle (upload, acquire and release on a caller's stream, eviction) costs
- * what a hand-written double buffer costs: one copy, one event record per transfer and per
- * release, one stream wait each way. The upload's record serves the host copy too: a host read
+ * at most what a hand-written double buffer costs: one copy, one event record per transfer and
+ * per release, one stream wait each way. The upload's record serves the host copy too: a host read
  * right after an upload on a slow link still waits for it. */
 static void test_streaming_calls(void **state) {
     (void)state;
@@ -273,8 +273,10 @@ static void test_streaming_calls(void **state) {
             assert_ok(spw_acquire(b[i], s, SPW_ACCESS_READ, &d));
             assert_ok(spw_release(b[i], s));
             if (round == 0) continue; /* the first round fills the device */
+            /* at most: a wait on a victim's event that is already complete is not enqueued */
             for (int c = 0; c < 5; c++)
-                if (spw__emu_calls(be, counted[c]) - before[c] != want[c])
+                if (spw__emu_calls(be, counted[c]) - before[c] > want[c] ||
+                    (counted[c] == SPW_CALL_MEMCPY && spw__emu_calls(be, counted[c]) - before[c] != want[c]))
                     fail_msg("round %d buffer %d: %lu %s calls, want %lu", round, i,
                              spw__emu_calls(be, counted[c]) - before[c], spw__call_name(counted[c]), want[c]);
             assert_ok(spw_stream_synchronize(ctx, s));

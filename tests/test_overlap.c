@@ -100,9 +100,52 @@ static void test_upload_overlaps_last_use(void **state) {
     assert_ok(spw_ctx_destroy(ctx));
 }
 
+/* The same eviction with the victim's reader already done: the wait it owed orders nothing, so
+ * the upload is one copy and enqueues no stream wait, and its bytes are right. */
+static void test_upload_after_a_finished_last_use_is_one_copy(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=6MiB,vmm=on,vmm_large_page=2MiB,grow_ahead=0");
+    spw_buf *a, *b;
+    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &a));
+    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b));
+    test_fill_buf(a, 0x11);
+    test_fill_buf(b, 0x22);
+    spw_stream s;
+    assert_ok(spw_stream_create(ctx, &s));
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    void *da, *db;
+    assert_ok(spw_acquire(a, s, SPW_ACCESS_READ, &da));
+    test_kcheck ka = {da, 4 * MiB, 0x11, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &ka));
+    assert_ok(spw_release(a, s));
+    assert_ok(spw_stream_synchronize(ctx, s)); /* a's last use is complete */
+    spw_backend *be = ctx->backend;
+    unsigned long copies = spw__emu_calls(be, SPW_CALL_MEMCPY), waits = spw__emu_calls(be, SPW_CALL_STREAM_WAIT);
+    assert_ok(spw_acquire(b, s, SPW_ACCESS_READ, &db)); /* evicts a, into part of whose bytes b goes */
+    assert_false(a->resident);
+    uintptr_t lo = (uintptr_t)db, alo = (uintptr_t)da;
+    assert_true(lo > alo && lo < alo + 4 * MiB);
+    /* one copy, not two around a wait (with the wait owed: two copies and one stream wait more) */
+    assert_int_equal(spw__emu_calls(be, SPW_CALL_MEMCPY) - copies, 1);
+    assert_true(spw__emu_calls(be, SPW_CALL_STREAM_WAIT) - waits <= 2);
+    test_kcheck kb = {db, 4 * MiB, 0x22, NULL, &bad};
+    assert_ok(spw_launch_host(ctx, s, test_kcheck_cb, &kb));
+    assert_ok(spw_release(b, s));
+    assert_ok(spw_stream_synchronize(ctx, s));
+    assert_int_equal(atomic_load(&bad), 0);
+    assert_ok(spw__arena_check(ctx->large));
+    assert_ok(spw_buf_destroy(a));
+    assert_ok(spw_buf_destroy(b));
+    assert_ok(spw_stream_destroy(ctx, s));
+    assert_ok(spw_ctx_destroy(ctx));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_upload_overlaps_last_use),
+        cmocka_unit_test(test_upload_after_a_finished_last_use_is_one_copy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
