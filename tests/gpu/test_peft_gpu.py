@@ -109,7 +109,9 @@ def test_peft_merge_into_an_offloaded_base_equals_resident(fraction, frozen):
         ref.requires_grad_(False)
     model = copy.deepcopy(ref)
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    off = spt.offload(model, budget=int(base_bytes * fraction))
+    # in pages (this stack streams in plain segments by default, whose units of a sixteenth of
+    # the budget make LoRA layers units at either fraction)
+    off = spt.offload(model, budget=int(base_bytes * fraction), vmm="on")
     lora_hooked = sum(hasattr(m, "base_layer") and id(m) in off._needs for m in model.modules())
     print(f"\npeft merge at {fraction:.2f} of the base{' (adapters frozen)' if frozen else ''}: "
           f"{len(off.units)} units, {lora_hooked} LoRA layers hooked")

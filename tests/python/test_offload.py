@@ -156,11 +156,11 @@ def test_large_units_are_mapped_in_large_pages():
     ref = copy.deepcopy(m)
     x = torch.randn(3, 1024)
     with pytest.raises(spillway.ConfigError, match="8.00 MiB pages"):
-        spt.offload(copy.deepcopy(m), budget="6MiB", **EMU)
+        spt.offload(copy.deepcopy(m), budget="6MiB", vmm="on", **EMU)
     # a page the user gives is rounded as the library rounds it: 12 MiB pages are 16 MiB ones
     with pytest.raises(spillway.ConfigError, match="16.00 MiB pages"):
         spt.offload(copy.deepcopy(m), budget="12MiB", vmm_large_page="12MiB", **EMU)
-    off = spt.offload(m, budget="20MiB", **EMU)
+    off = spt.offload(m, budget="20MiB", vmm="on", **EMU)
     for _ in range(3):
         assert torch.equal(moved(off, lambda: m(x)), ref(x))
     held = off.stats()["held"]
@@ -657,7 +657,7 @@ def test_the_innermost_base_layer_of_stacked_adapter_layers_takes_over_their_hoo
         return frozen(nn.Sequential(*[nn.Sequential(*[stacked() for _ in range(4)], nn.Tanh()) for _ in range(4)]))
     m, ref = model(), model()
     x = torch.randn(4, 1024)
-    off = spt.offload(m, budget="40MiB", **EMU)
+    off = spt.offload(m, budget="40MiB", vmm="on", **EMU)  # pages: the adapter layers are units
     assert any(isinstance(h, LoraLike) and id(h) in off._needs for h in m.modules())
     for _ in range(2):
         m(x)
@@ -678,7 +678,7 @@ def test_a_base_layer_put_in_place_of_its_adapter_layer_takes_over_its_hook():
     merge_and_unload() returns is."""
     m, ref = _adapter_blocks(), _adapter_blocks()
     x = torch.randn(4, 1024)
-    off = spt.offload(m, budget="40MiB", **EMU)
+    off = spt.offload(m, budget="40MiB", vmm="on", **EMU)  # pages: the adapter layers are units
     assert any(isinstance(h, LoraLike) and id(h) in off._needs for h in m.modules())  # the case: adapter layers are hooked
     for _ in range(3):
         m(x)

@@ -201,9 +201,9 @@ def test_dit_with_two_block_lists():
     m = DiT().eval().requires_grad_(False)
     ref = copy.deepcopy(m)
     x, txt, t = torch.randn(2, 16, 16), torch.randn(2, 8, 32), torch.randn(2, 32)
-    off = spt.offload(m, emu_capacity="96MiB", backend="emu")  # 48 MiB for 84 MiB of weights
+    off = spt.offload(m, emu_capacity="96MiB", backend="emu", vmm="on")  # 48 MiB for 84 MiB of weights
     names = [u.name for u in off.units]
-    # both block lists are units block by block (a double block, above a quarter of the budget,
+    # in pages (in plain segments, the default for this stack, see below) both block lists are units block by block (a double block, above a quarter of the budget,
     # in a few parts), not one list of blocks and every other module a unit of its own
     single = [n for n in names if n.startswith("single_transformer_blocks.")]
     assert 1 <= len(single) <= 6 and not any(".attn" in n or ".proj" in n for n in single)  # whole blocks
@@ -217,22 +217,26 @@ def test_dit_with_two_block_lists():
 
 
 
-@pytest.mark.parametrize("given", ["keyword", "SPILLWAY_CONF"])
+@pytest.mark.parametrize("given", ["keyword", "SPILLWAY_CONF", "default"])
 def test_dit_in_plain_segments_streams_smaller_units(given, monkeypatch):
-    """vmm="off" (a keyword, or in SPILLWAY_CONF): the plan's static split streams every unit
-    through two blocks of the largest unit's size, so the partition keeps units to a sixteenth
-    of the budget (a quarter otherwise): the double blocks, and the single blocks' attentions,
-    come in parts."""
+    """vmm="off" (a keyword, or in SPILLWAY_CONF, or chosen by offload() for a stack, as a DiT's
+    two block lists are): the plan's static split streams every unit through two blocks of the
+    largest unit's size, so the partition keeps units to a sixteenth of the budget (a quarter
+    otherwise): the double blocks, and the single blocks' attentions, come in parts."""
     torch.manual_seed(0)
     m = DiT().eval().requires_grad_(False)
     ref = copy.deepcopy(m)
     x, txt, t = torch.randn(2, 16, 16), torch.randn(2, 8, 32), torch.randn(2, 32)
     budget = 48 * MiB
-    pages = spt.offload(m, budget=budget, backend="emu")
+    pages = spt.offload(m, budget=budget, backend="emu", vmm="on")
     largest_pages = max(u.nbytes for u in pages.units)
+    assert "pages" in pages.summary()
     pages.remove()
     if given == "keyword":
         off = spt.offload(m, budget=budget, backend="emu", vmm="off")
+    elif given == "default":
+        off = spt.offload(m, budget=budget, backend="emu")
+        assert "plain segments (chosen: the units are a stack's)" in off.summary()
     else:
         monkeypatch.setenv("SPILLWAY_CONF", "policy=plan, vmm = off")
         off = spt.offload(m, budget=budget, backend="emu")
@@ -509,7 +513,7 @@ def test_a_run_of_small_modules_shares_one_acquisition():
     m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(64)]).requires_grad_(False)  # 16 MiB
     ref = copy.deepcopy(m)
     x = torch.randn(4, 256)
-    off = spt.offload(m, budget="6MiB", backend="emu")
+    off = spt.offload(m, budget="6MiB", backend="emu", vmm="on")  # pages: units up to a quarter of it
     runs = [u for u in off.units if ".." in u.name]  # "3..5": modules 3 to 5
     assert len(off.units) < 64 and runs, [u.name for u in off.units]
     calls = []
@@ -555,7 +559,7 @@ def test_a_small_module_beside_a_large_one_is_not_a_unit_of_its_own():
     m = nn.Sequential(*[Block() for _ in range(6)]).requires_grad_(False)  # 48 MiB
     x = torch.randn(2, 512)
     ref = copy.deepcopy(m)(x)
-    off = spt.offload(m, budget="20MiB", backend="emu")  # units up to 5 MiB
+    off = spt.offload(m, budget="20MiB", backend="emu", vmm="on")  # pages: units up to 5 MiB
     # two a block, and the unit of the norms' tensors, which the top level holds
     assert len(off.units) == 13, [u.name for u in off.units]
     with torch.no_grad():

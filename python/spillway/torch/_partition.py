@@ -48,6 +48,26 @@ def bounds(budget: int, streamed: int = 0, segments: bool = False) -> "tuple[int
     return min(hi // 2, _LO_MAX), hi
 
 
+# A stack: nearly all of the offloaded bytes in units of its two most common sizes (a DiT's blocks
+# are 0.99 of them, a decoder's layers with its embedding and head all; an SDXL UNet's repeated
+# attention blocks 0.85, and it stays in pages).
+_STACK_SHARE = 0.9
+
+
+def a_stack(sizes: Iterable[int]) -> bool:
+    """Whether units of these byte sizes are a stack's (a decoder's layers, a DiT's two block
+    lists): most of the bytes in units of at most two sizes. An offload's own context for
+    inference keeps such units in plain segments (vmm off) where they stream, unless told
+    otherwise: the plan's static split streams them through slots of one size with no trim, and
+    every upload is one copy, where pages cost a driver call per page it spans. Units of many
+    sizes (a UNet's) share pages, which any free run serves."""
+    by_size: Dict[int, int] = {}
+    for n in sizes:
+        by_size[n] = by_size.get(n, 0) + n
+    total = sum(by_size.values())
+    return total > 0 and sum(sorted(by_size.values())[-2:]) >= _STACK_SHARE * total
+
+
 def subtree_bytes(module: nn.Module, skip: Set[int]) -> Dict[int, int]:
     """id(m) -> bytes of the distinct tensors (parameters not in skip, buffers) of m's subtree."""
     out: Dict[int, int] = {}

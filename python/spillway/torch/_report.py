@@ -112,6 +112,7 @@ def summary(off: Any) -> str:
          f"{format_size(max(u.nbytes for u in off.units))})" if off.units else
          "  offloaded         nothing: every parameter is trained on the device"),
         f"  partition         {_partition_text(off)}",
+        f"  device memory     {off.arena}",
         f"  budget            {format_size(s['budget'])}  ({_budget_text(off)})",
         f"  resident units    {s['buffers_resident']['current']} now, "
         f"{format_size(s['live']['current'])} on the device",
