@@ -124,6 +124,7 @@ def test_unet_with_a_block_larger_than_the_budget():
     assert last <= steady_bound(off), (last, steady_bound(off))
     text = off.summary()
     assert "units" in text and "free memory" in text
+    assert "pages of one mapped range" in text  # units of many sizes: not a stack
     off.remove()
 
 
