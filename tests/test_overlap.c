@@ -31,20 +31,44 @@ static bool becomes(const volatile uint8_t *p, size_t n, uint8_t v) {
     return false;
 }
 
-/* Room for one 4 MiB buffer and 2 MiB more. B's upload evicts A while A's reader (a gated host
+/* Room for one 4 MiB buffer and 2 MiB more, two read-only 4 MiB buffers (a filled with 0x11, b
+ * with 0x22) and a stream. */
+typedef struct pair {
+    spw_ctx *ctx;
+    spw_buf *a, *b;
+    spw_stream s;
+} pair;
+
+static pair pair_make(void) {
+    pair p;
+    p.ctx = test_ctx("budget=6MiB,vmm=on,vmm_large_page=2MiB,grow_ahead=0");
+    assert_ok(spw_buf_create(p.ctx, 4 * MiB, SPW_BUF_READ_ONLY, &p.a));
+    assert_ok(spw_buf_create(p.ctx, 4 * MiB, SPW_BUF_READ_ONLY, &p.b));
+    test_fill_buf(p.a, 0x11);
+    test_fill_buf(p.b, 0x22);
+    assert_ok(spw_stream_create(p.ctx, &p.s));
+    return p;
+}
+
+/* Check the arena and free everything. */
+static void pair_free(pair *p) {
+    assert_ok(spw__arena_check(p->ctx->large));
+    assert_ok(spw_buf_destroy(p->a));
+    assert_ok(spw_buf_destroy(p->b));
+    assert_ok(spw_stream_destroy(p->ctx, p->s));
+    assert_ok(spw_ctx_destroy(p->ctx));
+}
+
+/* B's upload evicts A while A's reader (a gated host
  * function) still runs: the 2 MiB of B that do not overlap A arrive before the reader ends,
  * A's bytes stay intact under it, and B's other half arrives once it is done. */
 static void test_upload_overlaps_last_use(void **state) {
     (void)state;
     TEST_REQUIRE_EMU(); /* device memory readable by the host */
-    spw_ctx *ctx = test_ctx("budget=6MiB,vmm=on,vmm_large_page=2MiB,grow_ahead=0");
-    spw_buf *a, *b;
-    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &a));
-    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b));
-    test_fill_buf(a, 0x11);
-    test_fill_buf(b, 0x22);
-    spw_stream s;
-    assert_ok(spw_stream_create(ctx, &s));
+    pair p = pair_make();
+    spw_ctx *ctx = p.ctx;
+    spw_buf *a = p.a, *b = p.b;
+    spw_stream s = p.s;
     atomic_int gate, bad;
     atomic_init(&gate, 0);
     atomic_init(&bad, 0);
@@ -92,12 +116,7 @@ static void test_upload_overlaps_last_use(void **state) {
     assert_ok(spw_release(a, s));
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_int_equal(atomic_load(&bad), 0);
-    assert_ok(spw__arena_check(ctx->large));
-
-    assert_ok(spw_buf_destroy(a));
-    assert_ok(spw_buf_destroy(b));
-    assert_ok(spw_stream_destroy(ctx, s));
-    assert_ok(spw_ctx_destroy(ctx));
+    pair_free(&p);
 }
 
 /* The same eviction with the victim's reader already done: the wait it owed orders nothing, so
@@ -105,14 +124,10 @@ static void test_upload_overlaps_last_use(void **state) {
 static void test_upload_after_a_finished_last_use_is_one_copy(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
-    spw_ctx *ctx = test_ctx("budget=6MiB,vmm=on,vmm_large_page=2MiB,grow_ahead=0");
-    spw_buf *a, *b;
-    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &a));
-    assert_ok(spw_buf_create(ctx, 4 * MiB, SPW_BUF_READ_ONLY, &b));
-    test_fill_buf(a, 0x11);
-    test_fill_buf(b, 0x22);
-    spw_stream s;
-    assert_ok(spw_stream_create(ctx, &s));
+    pair p = pair_make();
+    spw_ctx *ctx = p.ctx;
+    spw_buf *a = p.a, *b = p.b;
+    spw_stream s = p.s;
     atomic_int bad;
     atomic_init(&bad, 0);
     void *da, *db;
@@ -135,11 +150,7 @@ static void test_upload_after_a_finished_last_use_is_one_copy(void **state) {
     assert_ok(spw_release(b, s));
     assert_ok(spw_stream_synchronize(ctx, s));
     assert_int_equal(atomic_load(&bad), 0);
-    assert_ok(spw__arena_check(ctx->large));
-    assert_ok(spw_buf_destroy(a));
-    assert_ok(spw_buf_destroy(b));
-    assert_ok(spw_stream_destroy(ctx, s));
-    assert_ok(spw_ctx_destroy(ctx));
+    pair_free(&p);
 }
 
 int main(void) {
