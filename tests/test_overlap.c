@@ -59,9 +59,9 @@ static void pair_free(pair *p) {
     assert_ok(spw_ctx_destroy(p->ctx));
 }
 
-/* B's upload evicts A while A's reader (a gated host
- * function) still runs: the 2 MiB of B that do not overlap A arrive before the reader ends,
- * A's bytes stay intact under it, and B's other half arrives once it is done. */
+/* B's upload evicts A while A's reader (a gated host function) still runs: the 2 MiB of B that
+ * do not overlap A arrive before the reader ends, A's bytes stay intact under it, and B's other
+ * half arrives once it is done. */
 static void test_upload_overlaps_last_use(void **state) {
     (void)state;
     TEST_REQUIRE_EMU(); /* device memory readable by the host */
