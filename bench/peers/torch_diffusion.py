@@ -9,9 +9,9 @@ For each model and budget, per variant: ms per steady step (median of the steps 
 20), the first 20 steps' total, bytes uploaded per steady step, spillway's host time per acquire
 and unit count, peak device memory (PyTorch's reserved plus spillway's held), and whether the
 output is bitwise equal to the resident model's. Variants: resident, spillway-POLICY (offload()
-with that policy), spillway-POLICY-segments (the same, its context's device arena in plain
-segments, vmm="off": one allocation a unit, no mapped pages), group-leaf, group-block,
-accelerate. The physical bound of a step is
+with that policy; offload() picks its device arena's mode), spillway-POLICY-segments and
+spillway-POLICY-pages (the same with the mode asked: plain segments, vmm="off", one allocation a
+unit; or pages of one mapped range, vmm="on"), group-leaf, group-block, accelerate. The physical bound of a step is
 max(resident ms, (offloaded bytes - budget) / link), the link measured in the same run.
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS/src \\
@@ -182,9 +182,9 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if name.startswith("spillway"):
-        # spillway-POLICY, or spillway-POLICY-segments: the context's device arena in plain
-        # segments (vmm="off"), one allocation a unit, instead of pages of one mapped range
-        opts = {"vmm": "off"} if name.endswith("-segments") else {}
+        # spillway-POLICY (the arena's mode as offload() picks it), or -segments / -pages: plain
+        # segments (vmm="off"), one allocation a unit, or pages of one mapped range (vmm="on")
+        opts = {"vmm": "off"} if name.endswith("-segments") else {"vmm": "on"} if name.endswith("-pages") else {}
         handle = spt.offload(model, budget=budget, policy=name.split("-")[1], **opts)
     elif name.startswith("group"):
         level = "leaf_level" if name == "group-leaf" else "block_level"
@@ -219,8 +219,8 @@ PLAN = {  # model -> [(budget: fraction of the weights or bytes, variants)]
     "sd15": [("0.40", "resident,spillway-plan,spillway-lru,group-leaf,group-block,accelerate")],
     "sdxl": [("0.35", "resident,spillway-plan,spillway-lru,group-leaf,group-block,accelerate"),
              (str(8 * GiB), "spillway-plan")],
-    "flux": [(str(8 * GiB), "resident,spillway-plan,spillway-plan-segments,group-leaf"),
-             (str(12 * GiB), "spillway-plan,spillway-plan-segments")],
+    "flux": [(str(8 * GiB), "resident,spillway-plan,spillway-plan-pages,group-leaf"),
+             (str(12 * GiB), "spillway-plan,spillway-plan-pages")],
 }
 
 
