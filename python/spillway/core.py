@@ -235,7 +235,8 @@ class Context(_Closeable):
             check(lib.spw_ctx_create(cfg._handle, ctypes.byref(handle)))
             self._handle = handle.value
             self.options: Dict[str, str] = {}
-            for key in ("budget", "policy", "backend", "residency", "prefetch", "trace", "emu_capacity", "device"):
+            for key in ("budget", "policy", "backend", "residency", "prefetch", "trace", "emu_capacity", "device",
+                        "vmm"):
                 self.options[key] = cfg.get(key)
         self._warn_rounding()
 

@@ -124,7 +124,7 @@ def test_unet_with_a_block_larger_than_the_budget():
     assert last <= steady_bound(off), (last, steady_bound(off))
     text = off.summary()
     assert "units" in text and "free memory" in text
-    assert "pages of one mapped range" in text  # units of many sizes: not a stack
+    assert "device memory     pages" in text  # units of many sizes: not a stack
     off.remove()
 
 
@@ -237,7 +237,7 @@ def test_dit_in_plain_segments_streams_smaller_units(given, monkeypatch):
         off = spt.offload(m, budget=budget, backend="emu", vmm="off")
     elif given == "default":
         off = spt.offload(m, budget=budget, backend="emu")
-        assert "plain segments (chosen: the units are a stack's)" in off.summary()
+        assert "plain segments (chosen: the units are a stack's and stream)" in off.summary()
     else:
         monkeypatch.setenv("SPILLWAY_CONF", "policy=plan, vmm = off")
         off = spt.offload(m, budget=budget, backend="emu")
@@ -248,6 +248,33 @@ def test_dit_in_plain_segments_streams_smaller_units(given, monkeypatch):
     assert torch.equal(out, ref(x, txt, t))
     assert last <= steady_bound(off), (last, steady_bound(off))
     off.remove()
+
+
+def test_the_arena_mode_is_chosen_only_for_a_stack_that_streams(monkeypatch):
+    """Plain segments only where the units stream, are a stack's, and no option names the mode:
+    the same DiT keeps pages when its budget holds it, when its pages are named, under an
+    optimizer (training), and through a pipeline's shared context; a_stack reads the sizes."""
+    from spillway.torch import _partition
+    assert _partition.a_stack([8] * 10 + [3] * 2 + [1])  # layers, embedding and head, a norm
+    assert _partition.a_stack([6] * 19 + [3] * 38 + [1, 1])  # two block lists
+    assert not _partition.a_stack([1, 2, 3, 4, 5, 6, 7, 8])  # a UNet's many sizes
+    assert not _partition.a_stack([])
+    torch.manual_seed(0)
+    m = DiT().eval().requires_grad_(False)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    cases = {"fits": dict(budget=2 * total), "pages named": dict(budget=48 * MiB, vmm_large_page="2MiB")}
+    for what, kw in cases.items():
+        off = spt.offload(m, backend="emu", **kw)
+        assert "device memory     pages" in off.summary(), what
+        off.remove()
+    monkeypatch.setenv("SPILLWAY_CONF", "vmm_large_page=2MiB")
+    off = spt.offload(m, budget=48 * MiB, backend="emu")
+    assert "device memory     pages" in off.summary()
+    off.remove()
+    monkeypatch.delenv("SPILLWAY_CONF")
+    pipe = spt.offload([m], budget=48 * MiB, backend="emu")
+    assert all("device memory     pages" in o.summary() for o in pipe)
+    pipe.remove()
 
 # ---- an encoder-decoder ----
 

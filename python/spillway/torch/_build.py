@@ -72,9 +72,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     kept, units, needs, hooked = lay.kept, lay.units, lay.needs, lay.hooked
     off.min_budget, budget_v, ctx_opts = lay.min_budget, lay.budget, lay.ctx_opts
     off.device_trained_bytes = lay.device_trained
-    off.arena = ("use_allocator's context" if shared is not None else
-                 "plain segments (chosen: the units are a stack's)" if lay.stack else
-                 "plain segments (vmm off)" if _setup.in_segments(ctx_opts) else "pages of one mapped range")
+    off.stack_segments = lay.stack  # plain segments chosen for the units of a stack (_partition.a_stack)
+    off.in_pipeline = context is not None  # one of several modules offloaded into one context
     off._owns_context = shared is None
     off.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
     # the keyword options the context was created with (none under use_allocator's context)

@@ -87,7 +87,23 @@ def _partition_text(off: Any, shown: int = 8) -> str:
     return f"from {how}: {head}{more}"
 
 
+def _arena_text(off: Any) -> str:
+    """How the context keeps its device memory, and why."""
+    vmm = str(off.context.options.get("vmm", "auto")).lower()
+    mode = {"off": "plain segments", "on": "pages of one mapped range"}.get(
+        vmm, "pages of one mapped range where the driver maps them (vmm auto)")
+    if off.stack_segments:
+        return f"{mode} (chosen: the units are a stack's and stream)"
+    if off.in_pipeline:
+        return f"{mode}: the context the pipeline's modules share"
+    if not off._owns_context:
+        return f"{mode}: use_allocator's context"
+    return mode
+
+
 def _budget_text(off: Any) -> str:
+    if off.in_pipeline:
+        return "the budget of the context the pipeline's modules share"
     if off.budget_source == "shared":
         return "use_allocator's budget, shared with PyTorch's tensors"
     what = ("device memory for offloaded weights and the activations saved for backward"
@@ -112,7 +128,7 @@ def summary(off: Any) -> str:
          f"{format_size(max(u.nbytes for u in off.units))})" if off.units else
          "  offloaded         nothing: every parameter is trained on the device"),
         f"  partition         {_partition_text(off)}",
-        f"  device memory     {off.arena}",
+        f"  device memory     {_arena_text(off)}",
         f"  budget            {format_size(s['budget'])}  ({_budget_text(off)})",
         f"  resident units    {s['buffers_resident']['current']} now, "
         f"{format_size(s['live']['current'])} on the device",
