@@ -272,6 +272,11 @@ def test_the_arena_mode_is_chosen_only_for_a_stack_that_streams(monkeypatch):
     assert "device memory     pages" in off.summary()
     off.remove()
     monkeypatch.delenv("SPILLWAY_CONF")
+    trained = copy.deepcopy(m).requires_grad_(True)
+    off = spt.offload(trained, budget=48 * MiB, backend="emu", optimizer=torch.optim.SGD(trained.parameters(), lr=0.1),
+                      train_on_device=0)
+    assert "device memory     pages" in off.summary()
+    off.remove()
     pipe = spt.offload([m], budget=48 * MiB, backend="emu")
     assert all("device memory     pages" in o.summary() for o in pipe)
     pipe.remove()
