@@ -274,7 +274,7 @@ def test_the_arena_mode_is_chosen_only_for_a_stack_that_streams(monkeypatch):
     monkeypatch.delenv("SPILLWAY_CONF")
     trained = copy.deepcopy(m).requires_grad_(True)
     off = spt.offload(trained, budget=48 * MiB, backend="emu", optimizer=torch.optim.SGD(trained.parameters(), lr=0.1),
-                      train_on_device=0)
+                      train_on_device=0, activations=False)
     assert "device memory     pages" in off.summary()
     off.remove()
     pipe = spt.offload([m], budget=48 * MiB, backend="emu")
