@@ -1240,3 +1240,42 @@ def test_backward_composes_with_other_saved_tensor_hooks(how):
     """Activation checkpointing (both kinds) inside the offloaded model and save_on_cpu around
     it keep their role beside offload()'s saved-tensor records: gradients bitwise equal."""
     check_backward_composes(how, torch.device("cpu"), **EMU)
+
+
+def _cast_around_forward(model: nn.Module, storage: torch.dtype, compute: torch.dtype) -> nn.Module:
+    """diffusers' layerwise casting (enable_layerwise_casting), as it does it: each Linear stored
+    in `storage`, and an instance-attribute forward that casts it to `compute` with .to(dtype=)
+    before the original forward and back to `storage` after."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.to(dtype=storage)
+            inner = m.forward
+
+            def forward(*args, _m=m, _inner=inner, **kwargs):
+                _m.to(dtype=compute)
+                out = _inner(*args, **kwargs)
+                _m.to(dtype=storage)
+                return out
+            m.forward = forward
+    return model
+
+
+def test_weights_cast_around_each_forward_stay_stored_in_their_dtype():
+    """Layerwise casting over an offloaded model: the packs hold the storage dtype (half the bytes
+    through the link), each forward computes in the compute dtype as the resident model does,
+    and between forwards the parameters are again the storage-dtype host views."""
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)]).requires_grad_(False)
+    ref = _cast_around_forward(copy.deepcopy(base), torch.float16, torch.float32)
+    m = _cast_around_forward(copy.deepcopy(base), torch.float16, torch.float32)
+    x = torch.randn(4, 512)
+    off = spt.offload(m, budget="2MiB", **EMU)
+    assert sum(u.nbytes for u in off.units) == sum(p.numel() * 2 for p in base.parameters())  # stored in fp16
+    for _ in range(3):
+        with torch.no_grad():
+            out, _, moved = _per_call(off, lambda: m(x))
+        assert torch.equal(out, ref(x)) and out.dtype == torch.float32 and moved > 0
+        views = {e.host_view.data_ptr() for u in off.units for e in u.entries}
+        assert all(p.dtype == torch.float16 and p.data_ptr() in views for p in m.parameters())
+    off.remove()
+    assert torch.equal(m(x), ref(x))
