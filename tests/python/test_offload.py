@@ -1260,22 +1260,34 @@ def _cast_around_forward(model: nn.Module, storage: torch.dtype, compute: torch.
     return model
 
 
-def test_weights_cast_around_each_forward_stay_stored_in_their_dtype():
+@pytest.mark.parametrize("budget", ["2MiB", "64MiB"])
+def test_weights_cast_around_each_forward_stay_stored_in_their_dtype(budget):
     """Layerwise casting over an offloaded model: the packs hold the storage dtype (half the bytes
     through the link), each forward computes in the compute dtype as the resident model does,
-    and between forwards the parameters are again the storage-dtype host views."""
+    and between forwards the parameters are again the storage-dtype host views. The casts
+    replace what the units' device tensors hold inside the forward: the release points them
+    back, so that the weights edited later are the ones computed with (a unit back at an
+    address it had, where its device tensors are reused) and no cast copy stays referenced."""
     torch.manual_seed(0)
     base = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)]).requires_grad_(False)
     ref = _cast_around_forward(copy.deepcopy(base), torch.float16, torch.float32)
     m = _cast_around_forward(copy.deepcopy(base), torch.float16, torch.float32)
     x = torch.randn(4, 512)
-    off = spt.offload(m, budget="2MiB", **EMU)
+    off = spt.offload(m, budget=budget, **EMU)
     assert sum(u.nbytes for u in off.units) == sum(p.numel() * 2 for p in base.parameters())  # stored in fp16
-    for _ in range(3):
+    for step in range(4):
+        if step == 2:  # every weight edited, as load_state_dict does
+            new = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+            ref.load_state_dict(new)
+            m.load_state_dict(new)
         with torch.no_grad():
             out, _, moved = _per_call(off, lambda: m(x))
-        assert torch.equal(out, ref(x)) and out.dtype == torch.float32 and moved > 0
+        assert torch.equal(out, ref(x)) and out.dtype == torch.float32
+        assert moved > 0 or budget == "64MiB"  # the whole model fits 64 MiB
         views = {e.host_view.data_ptr() for u in off.units for e in u.entries}
         assert all(p.dtype == torch.float16 and p.data_ptr() in views for p in m.parameters())
+        for u in off.units:  # every kept device tensor over its unit's device copy
+            assert all(at <= d.data_ptr() < at + u.nbytes for at, dset in u.dev_sets.items() if at for d in dset[0])
+    assert off.stats()["offload"]["view_repairs"] >= 8
     off.remove()
     assert torch.equal(m(x), ref(x))

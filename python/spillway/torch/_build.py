@@ -154,6 +154,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._hook_hist = [0] * HIST_BUCKETS  # host time per hook call, 1024-ns buckets
     off.acquires = 0
     off.view_builds = 0
+    off.view_repairs = 0  # releases that pointed device tensors back after a forward replaced them
     off.steps = 0
     off.saved_packed = 0
     off.saved_reacquires = 0

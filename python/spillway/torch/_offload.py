@@ -96,6 +96,7 @@ _READ = _lib.ACCESS_READ
 # values[i]`, and all(map(_is, map(_getitem, dicts, names), values)) checks they still hold them.
 _drain = collections.deque(maxlen=0).extend
 _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
+_ptr = torch.Tensor.data_ptr
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
@@ -158,13 +159,23 @@ class Offload:
                 dset = _views.new_set(self, u)
             else:
                 dset = sets.pop(next(iter(sets)))
-            storage = _storage_at(ptr, u.nbytes, self.device)
-            with torch.no_grad():  # leaves that require grad (offloaded trainable parameters) too
-                for e, d in zip(u.entries, dset[0]):
-                    d.set_(storage, e.elem_offset, e.shape, e.stride)
+            self._set_at(u, dset, ptr)
         sets[ptr] = dset
-        u.dev_at, u.dev_set = ptr, dset
+        u.dev_at, u.dev_set, u.dev_ptrs = ptr, dset, tuple(map(_ptr, dset[0]))
         return dset
+
+    def _set_at(self, u: _Unit, dset: _DevSet, ptr: int) -> None:
+        """Point dset's tensors at u's device copy at ptr: one storage, a Tensor.set_ each."""
+        storage = _storage_at(ptr, u.nbytes, self.device)
+        with torch.no_grad():  # leaves that require grad (offloaded trainable parameters) too
+            for e, d in zip(u.entries, dset[0]):
+                d.set_(storage, e.elem_offset, e.shape, e.stride)
+
+    def _repoint(self, u: _Unit) -> None:
+        """After a forward that replaced what u's device tensors hold (see _Unit.dev_ptrs): point
+        them back at u's device copy."""
+        self._set_at(u, u.dev_set, u.dev_at)
+        self.view_repairs += 1
 
     def _acquire_raw(self, u: Any, stream: Optional[int], mode: int = _READ) -> int:
         """spw_acquire of u's buffer (a unit, or anything with the handle of one of the context's
@@ -255,7 +266,7 @@ class Offload:
         dset = sets.pop(ptr, None)
         if dset is not None:  # at an address seen before (the split's slots, lru's places)
             sets[ptr] = dset
-            u.dev_at, u.dev_set = ptr, dset
+            u.dev_at, u.dev_set, u.dev_ptrs = ptr, dset, tuple(map(_ptr, dset[0]))
             return dset
         try:
             return self._point(u, ptr)
@@ -299,6 +310,8 @@ class Offload:
             _drain(map(_setitem, ds, ks, ps))
         else:
             self._unswap_each(u, vs)
+        if tuple(map(_ptr, u.dev_set[0])) != u.dev_ptrs:
+            self._repoint(u)
         u.refs = 0
         self._acquired.pop(u.devptr, None)
         if self._pend is not None:
@@ -404,6 +417,8 @@ class Offload:
                     _drain(map(_setitem, ds, ks, ps))
                 else:
                     self._unswap_each(u, vs)
+                if tuple(map(_ptr, dset[0])) != u.dev_ptrs:
+                    self._repoint(u)
                 u.refs = 0
                 del acquired[ptr]
                 if self._pend is not None:

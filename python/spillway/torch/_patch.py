@@ -137,7 +137,7 @@ def undo(off: Any) -> None:
             e.tensor.data = fresh
             e.host_view = None
         u.host_pairs = ()
-        u.dev_set, u.dev_sets = None, {}
+        u.dev_set, u.dev_sets, u.dev_ptrs = None, {}, ()
         u.dev_at = 0
     for p, orig in off._moved_trainable:
         p.data = p.data.to(orig)

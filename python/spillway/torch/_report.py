@@ -30,7 +30,9 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     median host time of one acquire, from 1-us buckets: what a hook costs, where the mean
     also counts the acquires that waited for room), acquires (spw_acquire calls by hooks and
     backward), view_hits/view_builds (the unit's device tensors found over its address / made
-    or re-pointed there: an address it had not been at, or not among its latest sets), steps,
+    or re-pointed there: an address it had not been at, or not among its latest sets),
+    view_repairs (releases that pointed them back after a forward replaced what they held, as
+    a module's own .to(dtype=) does in layerwise casting), steps,
     saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
     activations_stashed/activation_bytes (activations kept in buffers of the context),
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
@@ -46,6 +48,7 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "acquires": off.acquires,
         "view_hits": off.acquires - off.view_builds,  # each acquire looks its views up once
         "view_builds": off.view_builds,
+        "view_repairs": off.view_repairs,
         "steps": off.steps,
         "saved_packed": off.saved_packed,
         "saved_reacquires": off.saved_reacquires,

@@ -85,7 +85,7 @@ class _Unit:
 
     __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
                  "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_sets", "slot_plan", "trains",
-                 "live")
+                 "live", "dev_ptrs")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
@@ -109,6 +109,11 @@ class _Unit:
         self.dev_set: Optional[_DevSet] = None
         self.dev_at = 0
         self.dev_sets: Dict[int, _DevSet] = {}
+        # The data pointers dev_set's tensors have at dev_at. A module's forward may replace
+        # what they hold (a .to(dtype=) on itself, as layerwise casting does): the release sees
+        # it by these and points them back, so that no later acquire computes with the old
+        # contents and nothing outside the budget stays referenced.
+        self.dev_ptrs: Tuple[int, ...] = ()
         # What a set swaps: (holder's _parameters dict, key, entry index) for each parameter
         # slot, and the entry indices of buffers.
         self.slot_plan: Tuple[Tuple[Tuple[Dict[str, Any], str, int], ...], Tuple[int, ...]] = ((), ())
