@@ -1291,3 +1291,40 @@ def test_weights_cast_around_each_forward_stay_stored_in_their_dtype(budget):
     assert off.stats()["offload"]["view_repairs"] >= 8
     off.remove()
     assert torch.equal(m(x), ref(x))
+
+
+@pytest.mark.parametrize("call", ["model", "submodule"])
+def test_forwards_from_several_threads_run_one_at_a_time(call):
+    """A server calling one offloaded model from several threads: the modules' parameter slots,
+    the pending release and the step belong to the offload, so each forward (or each call of a
+    submodule outside one, as a pipeline's vae.decode makes) waits for the one in progress.
+    Before, the threads' hooks shared them: out-of-memory errors (each thread holding units of
+    the budget) or lookups of another thread's units."""
+    import threading
+    torch.manual_seed(0)
+    m = frozen(nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)]))
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="2MiB", **EMU)
+    xs = [torch.randn(4, 512) for _ in range(4)]
+    wants = [ref(x) for x in xs]
+    wrong, errors = [], []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(20):
+                with torch.no_grad():
+                    if call == "model" and not torch.equal(m(xs[i]), wants[i]):
+                        wrong.append(i)
+                    if call == "submodule" and not torch.equal(m[3](xs[i]), ref[3](xs[i])):
+                        wrong.append(i)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong, (errors[:2], len(wrong))
+    assert off.stats()["bytes_h2d"]["total"] > 0
+    off.remove()

@@ -4,6 +4,7 @@ part of the state is for is said where it is set; the hot path that uses it is _
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -130,6 +131,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._acquired: Dict[int, _Unit] = {}  # devptr -> unit, for the saved-tensor lookup
     off._explicit_steps = 0
     off._depth = 0
+    off._lock = threading.RLock()  # held by the thread running a forward (_top_forward, _units_call)
     off._saved_hooks: Optional[Any] = None
     off._devptr = ctypes.c_void_p()
     off._devptr_ref = ctypes.byref(off._devptr)

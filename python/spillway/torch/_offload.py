@@ -450,6 +450,12 @@ class Offload:
         through a reference to the wrapper kept past remove(): then inner alone)."""
         if self._closed:
             return inner(*args, **kwargs)
+        if not self._depth:  # outside the top-level forward: one caller at a time (_top_forward)
+            with self._lock:
+                return self._units_call_locked(inner, units, args, kwargs, t0)
+        return self._units_call_locked(inner, units, args, kwargs, t0)
+
+    def _units_call_locked(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
         if self._added and not self._depth:
             self._take_in_added()
         done = 0
@@ -526,6 +532,12 @@ class Offload:
         return type(out)(*changed) if hasattr(out, "_fields") else type(out)(changed)
 
     def _top_forward(self, inner: Any, args: Any, kwargs: Any) -> Any:
+        # One forward at a time: the modules' parameter slots, the pending release and the step
+        # are the offload's, not a thread's, so a second thread's call waits for the first.
+        with self._lock:
+            return self._top_forward_locked(inner, args, kwargs)
+
+    def _top_forward_locked(self, inner: Any, args: Any, kwargs: Any) -> Any:
         if self._depth:  # the top module calling itself: one step already open
             return inner(*args, **kwargs)
         self._depth = 1
