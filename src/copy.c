@@ -130,24 +130,25 @@ typedef struct span {
     size_t lo, hi;
 } span;
 
+/* Whether any of the nw owed waits is on an event not yet complete. A wait whose event is
+ * complete orders nothing: dropped, it costs neither the stream wait nor a copy of its own. A
+ * victim's last read is usually long done when the caller, not the device, bounds the step, and
+ * each enqueue is a driver call on the caller's own time. */
+static bool waits_pending(spw_ctx *ctx, const spw_arena_wait *w, int nw) {
+    for (int i = 0; i < nw; i++)
+        if (OPS(ctx)->event_query(BE(ctx), w[i].ev) != SPW_OK) {
+            spw__error_clear(); /* "not complete" is an answer here, not a failure */
+            return true;
+        }
+    return false;
+}
+
 spw_status spw__copy_upload_ordered(spw_ctx *ctx, spw_buf *b, const spw_arena_wait *w, int nw) {
-    if (!nw || b->managed) return spw__copy_upload(ctx, b);
+    if (!nw || b->managed || !waits_pending(ctx, w, nw)) return spw__copy_upload(ctx, b);
     struct spw_engine *e = ctx->engine;
     spw_status st;
     if ((st = spw__copy_order_dev(ctx, b, e->h2d))) return st;
     if ((st = order_host(ctx, b, e->h2d))) return st;
-    /* A wait whose event is complete orders nothing: dropped, it costs neither the stream wait
-     * nor a copy of its own, and with none left the upload is one copy. A victim's last read is
-     * usually long done when the caller, not the device, bounds the step, and each enqueue is a
-     * driver call on the caller's own time. */
-    int live = 0;
-    for (int i = 0; i < nw; i++)
-        if (OPS(ctx)->event_query(BE(ctx), w[i].ev) != SPW_OK) live++;
-    if (live) spw__error_clear(); /* "not complete" is an answer here, not a failure */
-    if (!live) {
-        if ((st = copy_piece(ctx, b, 0, b->bytes))) return st;
-        return upload_done(ctx, b, b->bytes);
-    }
     /* the bytes of b that owe a wait, as sorted disjoint spans relative to b->dev */
     span owe[SPW_ARENA_OWED_MAX];
     int no = 0;
