@@ -261,13 +261,8 @@ class Offload:
 
     def _place(self, u: _Unit, ptr: int, stream: Optional[int]) -> _DevSet:
         """u's device tensors at ptr, an address other than its last one: a set kept from an
-        earlier visit, else one made or re-pointed (_point). Releases u if that fails."""
-        sets = u.dev_sets
-        dset = sets.pop(ptr, None)
-        if dset is not None:  # at an address seen before (the split's slots, lru's places)
-            sets[ptr] = dset
-            u.dev_at, u.dev_set, u.dev_ptrs = ptr, dset, tuple(map(_ptr, dset[0]))
-            return dset
+        earlier visit (the split's slots, lru's places), else one made or re-pointed (_point).
+        Releases u if that fails."""
         try:
             return self._point(u, ptr)
         except BaseException:
