@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.weight_norm import WeightNorm
 
 import spillway
 import spillway.torch as spt
@@ -598,4 +599,95 @@ def test_a_small_module_beside_a_large_one_is_not_a_unit_of_its_own():
     with torch.no_grad():
         out, per_step = run_steps(off, lambda: m(x), steps=6)
     assert torch.equal(out, ref) and per_step > 0
+    off.remove()
+
+
+# ---- forward pre-hooks that read the weights: weight_norm (diffusers' audio autoencoders), prune ----
+
+class Seen(nn.Conv1d):
+    """A Conv1d that notes where the weight its forward reads lies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.weight.data_ptr())
+        return super().forward(x)
+
+
+class Snake(nn.Module):
+    """A residual unit of weight-normed convolutions, as an audio autoencoder's decoder has."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv1 = nn.utils.weight_norm(nn.Conv1d(dim, dim, 7, padding=3))
+        self.conv2 = nn.utils.weight_norm(nn.Conv1d(dim, dim, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(F.elu(self.conv1(F.elu(x))))
+
+
+def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
+    """A pre-hook runs before the forward that brings the weights; offload() makes it run with
+    them brought: weight_norm computes its weight from the device copies of weight_g and
+    weight_v (on CUDA, from the host views the forward would get a host tensor), and a
+    pre-hook of the caller's sees the same weight as the forward. After each forward the
+    computed weight is no longer held (on CUDA it would be a device copy outside the budget).
+    remove() gives every hook back."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Snake(256) for _ in range(6)], Seen(256, 256, 3, padding=1)).eval().requires_grad_(False)
+    m[-1].seen = []
+    pre_seen: List[int] = []
+    m[-1].register_forward_pre_hook(lambda mod, args: pre_seen.append(mod.weight.data_ptr()))
+    x = torch.randn(2, 256, 64)
+    with torch.no_grad():
+        ref = m(x)  # (a weight-normed module cannot be deep-copied: its weight is not a leaf)
+    m[-1].seen.clear()
+    pre_seen.clear()
+    at_offload = {id(c): c.weight for c in m.modules() if isinstance(c, nn.Conv1d) and hasattr(c, "weight_g")}
+    # 12.8 MiB of weights in 8 MiB: several units are brought every step
+    off = spt.offload(m, budget="8MiB", backend="emu", vmm="on")
+    host_views = {c.weight_v.data_ptr() for c in m.modules() if id(c) in at_offload}
+    seen_v: List[int] = []
+    for c in m.modules():
+        if id(c) in at_offload:
+            c.register_forward_pre_hook(lambda mod, args: seen_v.append(mod.weight_v.data_ptr()))  # after offload: host views
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=4)
+    assert torch.equal(out, ref)
+    assert per_step >= offloaded_bytes(off) - 8 * MiB, per_step
+    assert pre_seen == m[-1].seen and len(pre_seen) == 4  # the pre-hook saw the forward's device copy
+    assert set(seen_v) == host_views  # hooks registered after offload() see the host views
+    for c in m.modules():
+        if id(c) in at_offload:
+            assert c.weight is at_offload[id(c)]  # the computed weight is not kept past the forward
+    xg = x.clone().requires_grad_(True)  # backward through weights computed in pre-hooks
+    m(xg).square().sum().backward()
+    off.remove()
+    xr = x.clone().requires_grad_(True)
+    m(xr).square().sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+    hooks = [h for c in m.modules() for h in c._forward_pre_hooks.values()]
+    assert sum(isinstance(h, WeightNorm) for h in hooks) == 12
+    assert not any(type(h).__module__.startswith("spillway") for h in hooks)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+
+
+def test_a_pruned_model_and_its_deep_copy_run_as_resident():
+    """prune's pre-hook computes weight = weight_orig * weight_mask from the device copies; a deep
+    copy of the offloaded model is a plain model whose hooks are the caller's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).requires_grad_(False)  # 8 MiB
+    for lin in m:
+        nn.utils.prune.l1_unstructured(lin, "weight", amount=0.5)
+    x = torch.randn(4, 512)
+    ref = copy.deepcopy(m)(x)
+    at_offload = [lin.weight for lin in m]
+    off = spt.offload(m, budget="4MiB", backend="emu", vmm="on")
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=4)
+        twin = copy.deepcopy(m)
+        assert torch.equal(twin(x), ref)
+    assert torch.equal(out, ref) and per_step > 0
+    assert all(lin.weight is w for lin, w in zip(m, at_offload))  # the masked weight is not kept
+    assert not any(type(h).__module__.startswith("spillway") for c in twin.modules()
+                   for h in c._forward_pre_hooks.values())
     off.remove()

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import _lib
 from ..core import Context
-from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _recompute, _setup, _train, _views
+from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._units import _Unit, _param_owners
@@ -115,6 +115,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # Methods wrapped as instance attributes (opt.step, and with overlap_update the points that
     # finish its update): (object, name, whether it had that attribute, it, ours), for remove()
     off._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []
+    off._prehooks: List[Tuple[Any, Any, Any, Any]] = []  # the caller's pre-hooks wrapped (_prehooks)
     off.optimizer_steps = 0
     off.step_evictions = 0  # device copies of units dropped after optimizer steps
     off._edits: Optional[_edits.HostEdits] = None  # the offloaded weights, watched for edits between forwards
@@ -220,6 +221,7 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
     _adapters.follow_unloads(off, module, wrap_top)
     _added.watch(off, module)
     wrap_top(off, module)
+    _prehooks.wrap(off, hooked if module in hooked else hooked + [module])
 
 
 def wrap_top(off: "Offload", module: nn.Module) -> None:

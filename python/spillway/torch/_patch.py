@@ -115,6 +115,10 @@ def undo(off: Any) -> None:
             else:
                 delattr(obj, name)
     off._method_wraps = []
+    for hooks, key, hook, ours in reversed(getattr(off, "_prehooks", [])):  # _prehooks.wrap
+        if hooks.get(key) is ours:  # else the caller removed it: it stays removed
+            hooks[key] = hook
+    off._prehooks = []
     if getattr(off, "_update_pool", None) is not None:
         off._update_pool.close()
         off._update_pool = None

@@ -1,0 +1,109 @@
+"""Forward pre-hooks of the caller's own on hooked modules, run with the module's units acquired.
+
+nn.Module runs its forward pre-hooks before the forward, so before the wrapper that brings the
+weights. A pre-hook that reads them would see the host views: torch's weight_norm computes
+`weight` from `weight_g` and `weight_v` in one (diffusers' audio autoencoders, HiFi-GAN
+vocoders), spectral_norm and prune likewise; on CUDA the forward then gets a host tensor and
+torch raises a device mismatch. So offload() replaces each pre-hook present on a hooked module
+by an _Acquiring that acquires the module's units around it (inside the top-level forward its
+release is left pending, and the forward's own acquire then finds the unit still held: no
+second C call). Hooks registered after offload() are not wrapped and see the host views.
+
+The weights these three hooks compute are fresh device tensors stored as plain attributes of
+the module; left there they would keep a device copy of every such weight outside the budget.
+The forward of such a module is wrapped once more so that, after it, the attribute holds again
+what it held at offload() (a host tensor; between forwards the attribute is stale, as it is
+after load_state_dict on a resident model until its next forward).
+
+remove() puts the caller's hooks back where ours still stand."""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Dict, List, Tuple
+
+from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm  # (torch.nn.utils.weight_norm is the function)
+
+from . import _patch
+
+
+class _Acquiring:
+    """A pre-hook of the caller's, called with its module's units acquired."""
+
+    __slots__ = ("off", "module", "hook", "units")
+
+    def __init__(self, off: Any, module: nn.Module, hook: Any, units: Tuple[Tuple[Any, ...], Tuple[Any, ...]]) -> None:
+        self.off, self.module, self.hook, self.units = off, module, hook, units
+
+    def __call__(self, mod: nn.Module, *args: Any) -> Any:
+        off = self.off
+        if mod is not self.module or off._closed:
+            return self.hook(mod, *args)
+        every, inner = self.units
+        return off._units_call(self.hook, inner if off._depth else every, (mod,) + args, {}, time.perf_counter_ns())
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        """A deep copy of the module is a plain module (_patch.copied_forward): its hook is the
+        caller's own, copied."""
+        return copy.deepcopy(self.hook, memo)
+
+    def __reduce__(self) -> Any:  # torch.save(model) saves the caller's hook
+        return (_identity, (self.hook,))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _computed(hook: Any) -> List[str]:
+    """The attributes a pre-hook of torch's own sets from the module's weights before each
+    forward: weight_norm's, spectral_norm's and prune's (a container of prunings: its one
+    tensor)."""
+    if isinstance(hook, (WeightNorm, SpectralNorm)):
+        return [hook.name]
+    if isinstance(hook, BasePruningMethod):
+        return [hook._tensor_name]
+    return []
+
+
+def wrap(off: Any, hooked: List[nn.Module]) -> None:
+    """Wrap the pre-hooks present on each hooked module (the top level among them), recording
+    in off._prehooks (hooks dict, key, the caller's hook, ours) what remove() puts back
+    (_patch.undo)."""
+    for m in hooked:
+        hooks = m._forward_pre_hooks
+        needs = off._needs.get(id(m))
+        if not hooks or not needs:
+            continue
+        units = off._hook_units(needs)
+        computed: Dict[str, Any] = {}
+        for key, hook in list(hooks.items()):
+            ours = _Acquiring(off, m, hook, units)
+            hooks[key] = ours
+            off._prehooks.append((hooks, key, hook, ours))
+            for name in _computed(hook):
+                computed[name] = m.__dict__.get(name)
+        if computed:
+            _restore_after(off, m, computed)
+
+
+def _restore_after(off: Any, m: nn.Module, computed: Dict[str, Any]) -> None:
+    """Wrap m's forward (already the offload's) so that after it, also when it raises, the
+    attributes in computed hold again their values at offload()."""
+    inner = m.forward
+    pairs = tuple(computed.items())
+
+    def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if mod is not m:
+            return _patch.copied_forward(mod, args, kwargs)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if not off._closed:
+                for name, value in pairs:
+                    m.__dict__[name] = value
+
+    _patch.wrap_forward(off, m, forward)
