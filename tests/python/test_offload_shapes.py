@@ -636,6 +636,8 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     m[-1].seen = []
     pre_seen: List[int] = []
     m[-1].register_forward_pre_hook(lambda mod, args: pre_seen.append(mod.weight.data_ptr()))
+    calls = []
+    counter = m.register_forward_pre_hook(lambda mod, args: calls.append(1))  # the top level's: left as it is
     x = torch.randn(2, 256, 64)
     with torch.no_grad():
         ref = m(x)  # (a weight-normed module cannot be deep-copied: its weight is not a leaf)
@@ -654,6 +656,7 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     assert torch.equal(out, ref)
     assert per_step >= offloaded_bytes(off) - 8 * MiB, per_step
     assert pre_seen == m[-1].seen and len(pre_seen) == 4  # the pre-hook saw the forward's device copy
+    assert len(calls) == 5 and m._forward_pre_hooks[counter.id].__name__ == "<lambda>"
     assert set(seen_v) == host_views  # hooks registered after offload() see the host views
     for c in m.modules():
         if id(c) in at_offload:

@@ -221,7 +221,7 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
     _adapters.follow_unloads(off, module, wrap_top)
     _added.watch(off, module)
     wrap_top(off, module)
-    _prehooks.wrap(off, hooked if module in hooked else hooked + [module])
+    _prehooks.wrap(off, module, hooked)
 
 
 def wrap_top(off: "Offload", module: nn.Module) -> None:

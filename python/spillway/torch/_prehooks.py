@@ -5,9 +5,10 @@ weights. A pre-hook that reads them would see the host views: torch's weight_nor
 `weight` from `weight_g` and `weight_v` in one (diffusers' audio autoencoders, HiFi-GAN
 vocoders), spectral_norm and prune likewise; on CUDA the forward then gets a host tensor and
 torch raises a device mismatch. So offload() replaces each pre-hook present on a hooked module
-by an _Acquiring that acquires the module's units around it (inside the top-level forward its
-release is left pending, and the forward's own acquire then finds the unit still held: no
-second C call). Hooks registered after offload() are not wrapped and see the host views.
+below the top level (there, only those three) by an _Acquiring that acquires the module's
+units around it (inside the top-level forward its release is left pending, and the forward's
+own acquire then finds the unit still held: no second C call). Hooks registered after
+offload() are not wrapped and see the host views.
 
 The weights these three hooks compute are fresh device tensors stored as plain attributes of
 the module; left there they would keep a device copy of every such weight outside the budget.
@@ -69,11 +70,12 @@ def _computed(hook: Any) -> List[str]:
     return []
 
 
-def wrap(off: Any, hooked: List[nn.Module]) -> None:
-    """Wrap the pre-hooks present on each hooked module (the top level among them), recording
-    in off._prehooks (hooks dict, key, the caller's hook, ours) what remove() puts back
-    (_patch.undo)."""
-    for m in hooked:
+def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
+    """Wrap the pre-hooks present on each hooked module, recording in off._prehooks (hooks
+    dict, key, the caller's hook, ours) what remove() puts back (_patch.undo). On the top level
+    only torch's three: its pre-hooks run before the step begins (_top_forward), where an
+    acquire would be outside every step, and a hook there that counts or logs calls is common."""
+    for m in hooked if top in hooked else hooked + [top]:
         hooks = m._forward_pre_hooks
         needs = off._needs.get(id(m))
         if not hooks or not needs:
@@ -81,6 +83,8 @@ def wrap(off: Any, hooked: List[nn.Module]) -> None:
         units = off._hook_units(needs)
         computed: Dict[str, Any] = {}
         for key, hook in list(hooks.items()):
+            if m is top and not _computed(hook):
+                continue
             ours = _Acquiring(off, m, hook, units)
             hooks[key] = ours
             off._prehooks.append((hooks, key, hook, ours))
