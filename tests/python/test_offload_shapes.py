@@ -694,3 +694,64 @@ def test_a_pruned_model_and_its_deep_copy_run_as_resident():
     assert not any(type(h).__module__.startswith("spillway") for c in twin.modules()
                    for h in c._forward_pre_hooks.values())
     off.remove()
+
+
+# ---- quantized weights in a Parameter subclass (diffusers' GGUFParameter, bitsandbytes' Params4bit) ----
+
+class QuantParam(nn.Parameter):
+    """int8 data whose scale is an attribute, re-wrapping what torch functions return as
+    GGUFParameter does (so the attribute follows slices and views)."""
+
+    def __new__(cls, data, requires_grad=False, scale=None):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.scale = scale
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(result, torch.Tensor) and not isinstance(result, cls):
+            scale = next((a.scale for a in args if isinstance(a, cls)), None)
+            return cls(result, scale=scale)
+        return result
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = QuantParam(torch.randint(-127, 128, (n, n), dtype=torch.int8), scale=1 / 64)
+        self.bias = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.as_subclass(torch.Tensor).float() * self.weight.scale  # reads the attribute
+        return F.linear(x, w, self.bias)
+
+
+def test_quantized_weights_in_a_parameter_subclass_keep_their_class_and_attributes():
+    """A module reads its weight's attributes in its forward (the quantization type of a GGUF
+    checkpoint); the device copy it gets while its unit is acquired is of the Parameter's class
+    and has them, also after an attribute set on the Parameter after offload()."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[QuantLinear(1024) for _ in range(12)]).requires_grad_(False)  # 12 MiB of int8
+    x = torch.randn(4, 1024)
+    with torch.no_grad():
+        ref = m(x)
+    host = m[3].weight
+    seen = []  # what the slot holds during the forward (a pre-hook present at offload() sees it)
+    m[3].register_forward_pre_hook(lambda mod, args: seen.append((type(mod.weight), mod.weight is host)))
+    off = spt.offload(m, budget="6MiB", backend="emu", vmm="on")
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=4)
+    assert torch.equal(out, ref) and per_step >= offloaded_bytes(off) - 6 * MiB
+    assert seen == [(QuantParam, False)] * 4  # a device copy of the Parameter's class
+    assert type(m[0].weight) is QuantParam and m[0].weight.scale == 1 / 64  # the host Parameter between forwards
+    m[5].weight.scale = 1 / 32
+    with torch.no_grad():
+        halved = m(x)
+    m[5].weight.scale = 1 / 64
+    assert not torch.equal(halved, ref)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+    off.remove()
+    with torch.no_grad():
+        assert type(m[0].weight) is QuantParam and torch.equal(m(x), ref)

@@ -97,6 +97,7 @@ _READ = _lib.ACCESS_READ
 _drain = collections.deque(maxlen=0).extend
 _setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
 _ptr = torch.Tensor.data_ptr
+_no_torch_function = torch._C.DisableTorchFunction
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
 # static split streams each unit through one of two slots of its room, alternating step by step
 # (bench/dev/mixed_units.c); lru and plan without prefetch cycle a unit through up to a budget's
@@ -167,7 +168,9 @@ class Offload:
     def _set_at(self, u: _Unit, dset: _DevSet, ptr: int) -> None:
         """Point dset's tensors at u's device copy at ptr: one storage, a Tensor.set_ each."""
         storage = _storage_at(ptr, u.nbytes, self.device)
-        with torch.no_grad():  # leaves that require grad (offloaded trainable parameters) too
+        # no_grad: leaves that require grad (offloaded trainable parameters) too; no torch
+        # function: a tensor of a Parameter subclass (_views._empty_like) is set, not converted
+        with torch.no_grad(), _no_torch_function():
             for e, d in zip(u.entries, dset[0]):
                 d.set_(storage, e.elem_offset, e.shape, e.stride)
 

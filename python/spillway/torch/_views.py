@@ -53,7 +53,7 @@ def new_set(off: Any, u: _Unit) -> _DevSet:
     unit's device tensors do not require grad: its gradients go to the host Parameters
     through _train.ToHost."""
     with torch.inference_mode(False):
-        devs = tuple(torch.empty(0, dtype=e.dtype, device=off.device) for e in u.entries)
+        devs = tuple(_empty_like(e, off.device) for e in u.entries)
         for e, d in zip(u.entries, devs):
             if e.tensor.requires_grad and not off._train:  # offloaded for inference: a backward that needs it says so
                 d.requires_grad_(True)
@@ -61,6 +61,20 @@ def new_set(off: Any, u: _Unit) -> _DevSet:
     slots, bufs = u.slot_plan
     return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
             tuple((u.entries[i].tensor, devs[i]) for i in bufs))
+
+
+def _empty_like(e: Any, device: torch.device) -> torch.Tensor:
+    """An empty device tensor for entry e. A parameter of a subclass of its own (diffusers'
+    GGUFParameter, bitsandbytes' Params4bit: quantized data whose quantization type, shape and
+    statistics are attributes its module's forward reads) gets one of its class, sharing its
+    attributes (one __dict__: what the host Parameter gains later, the device tensor has too)."""
+    d = torch.empty(0, dtype=e.dtype, device=device)
+    cls = type(e.tensor)
+    if e.is_buffer or cls is torch.Tensor or cls is torch.nn.Parameter:
+        return d
+    d = torch.Tensor._make_subclass(cls, d, False)
+    d.__dict__ = e.tensor.__dict__
+    return d
 
 
 def typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
