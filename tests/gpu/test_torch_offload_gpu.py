@@ -8,6 +8,7 @@ Run from the repository root after `make` (see README, "PyTorch"):
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 import warnings
@@ -24,7 +25,7 @@ import spillway  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import (WithAdapter, check_backward_composes, frozen, greedy, make_decoder, make_stack,  # noqa: E402
+from models import (QuantLinear, WithAdapter, check_backward_composes, frozen, greedy, make_decoder, make_stack,  # noqa: E402
                     moved, same)
 
 MiB = 1 << 20
@@ -315,4 +316,53 @@ def test_a_module_added_after_offload_is_taken_in_on_the_device():
         assert torch.equal(moved(off, lambda: m(x)), ref(x))
     assert m.adapter.weight is weight and weight.device.type == "cuda"
     assert not off._acquired
+    off.remove()
+
+
+def test_weight_norm_and_pre_hooks_with_kwargs_see_the_device_copies():
+    """An audio autoencoder's weight-normed convolutions (torch's weight_norm computes the weight
+    in a forward pre-hook) and a torch 2 pre-hook taking kwargs, on CUDA: the hooks get the
+    device copies (from the host views the forward would raise a device mismatch), the output
+    equals resident, the weights move, and no computed weight stays on the device."""
+    torch.manual_seed(0)
+
+    def unit():
+        return nn.Sequential(nn.utils.weight_norm(nn.Conv1d(256, 256, 7, padding=3)), nn.ELU(),
+                             nn.utils.weight_norm(nn.Conv1d(256, 256, 1)))
+
+    m = nn.Sequential(*[unit() for _ in range(6)]).to(DEV).eval().requires_grad_(False)  # 12.8 MiB
+    x = torch.randn(2, 256, 64, device=DEV)
+    with torch.no_grad():
+        ref = m(x)
+    seen = []
+    if "with_kwargs" in inspect.signature(m[2][0].register_forward_pre_hook).parameters:  # torch 2
+        m[2][0].register_forward_pre_hook(lambda mod, args, kwargs: seen.append(mod.weight_v.device) or None,
+                                          with_kwargs=True)
+    off = spt.offload(m, budget="8MiB", **CUDA)
+    with torch.no_grad():
+        out = moved(off, lambda: m(x))
+        for _ in range(3):
+            assert torch.equal(m(x), ref)
+    assert torch.equal(out, ref)
+    assert all(d.type == "cuda" for d in seen)
+    assert all(c.weight.device.type == "cpu" for c in m.modules() if hasattr(c, "weight_g"))
+    off.remove()
+
+
+def test_quantized_weights_in_a_parameter_subclass_on_the_device():
+    """int8 weights in a Parameter subclass whose scale is an attribute (a GGUF checkpoint's
+    GGUFParameter), on CUDA: the forward reads the attribute from the device copy."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[QuantLinear(1024) for _ in range(12)]).requires_grad_(False)
+    for q in m:
+        q.weight.data = q.weight.data.to(DEV)
+        q.bias.data = q.bias.data.to(DEV)
+    x = torch.randn(4, 1024, device=DEV)
+    with torch.no_grad():
+        ref = m(x)
+    off = spt.offload(m, budget="6MiB", **CUDA)
+    with torch.no_grad():
+        out = moved(off, lambda: m(x))
+        assert torch.equal(m(x), ref)
+    assert torch.equal(out, ref)
     off.remove()

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 class Attention(nn.Module):
@@ -240,3 +241,36 @@ def check_backward_composes(how: str, device: torch.device, **offload_args) -> N
         assert torch.equal(m.a.grad, ref.a.grad) and torch.equal(x.grad, xr.grad)
         m.a.grad = ref.a.grad = x.grad = xr.grad = None
     off.remove()
+
+
+# ---- quantized weights in a Parameter subclass (diffusers' GGUFParameter, bitsandbytes' Params4bit) ----
+
+class QuantParam(nn.Parameter):
+    """int8 data whose scale is an attribute, re-wrapping what torch functions return as
+    GGUFParameter does (so the attribute follows slices and views)."""
+
+    def __new__(cls, data, requires_grad=False, scale=None):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.scale = scale
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(result, torch.Tensor) and not isinstance(result, cls):
+            scale = next((a.scale for a in args if isinstance(a, cls)), None)
+            return cls(result, scale=scale)
+        return result
+
+
+class QuantLinear(nn.Module):
+    """A Linear of QuantParam weights, dequantized in its forward from the attribute."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = QuantParam(torch.randint(-127, 128, (n, n), dtype=torch.int8), scale=1 / 64)
+        self.bias = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.as_subclass(torch.Tensor).float() * self.weight.scale  # reads the attribute
+        return F.linear(x, w, self.bias)

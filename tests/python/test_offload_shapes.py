@@ -17,7 +17,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 import spillway
 import spillway.torch as spt
-from models import moved, offloaded_bytes
+from models import QuantLinear, QuantParam, moved, offloaded_bytes
 
 MiB = 1 << 20
 
@@ -697,35 +697,6 @@ def test_a_pruned_model_and_its_deep_copy_run_as_resident():
 
 
 # ---- quantized weights in a Parameter subclass (diffusers' GGUFParameter, bitsandbytes' Params4bit) ----
-
-class QuantParam(nn.Parameter):
-    """int8 data whose scale is an attribute, re-wrapping what torch functions return as
-    GGUFParameter does (so the attribute follows slices and views)."""
-
-    def __new__(cls, data, requires_grad=False, scale=None):
-        self = torch.Tensor._make_subclass(cls, data, requires_grad)
-        self.scale = scale
-        return self
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        result = super().__torch_function__(func, types, args, kwargs or {})
-        if isinstance(result, torch.Tensor) and not isinstance(result, cls):
-            scale = next((a.scale for a in args if isinstance(a, cls)), None)
-            return cls(result, scale=scale)
-        return result
-
-
-class QuantLinear(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.weight = QuantParam(torch.randint(-127, 128, (n, n), dtype=torch.int8), scale=1 / 64)
-        self.bias = nn.Parameter(torch.randn(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.as_subclass(torch.Tensor).float() * self.weight.scale  # reads the attribute
-        return F.linear(x, w, self.bias)
-
 
 def test_quantized_weights_in_a_parameter_subclass_keep_their_class_and_attributes():
     """A module reads its weight's attributes in its forward (the quantization type of a GGUF
