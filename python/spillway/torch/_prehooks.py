@@ -13,8 +13,9 @@ offload() are not wrapped and see the host views.
 The weights these three hooks compute are fresh device tensors stored as plain attributes of
 the module; left there they would keep a device copy of every such weight outside the budget.
 The forward of such a module is wrapped once more so that, after it, the attribute holds again
-what it held at offload() (a host tensor; between forwards the attribute is stale, as it is
-after load_state_dict on a resident model until its next forward).
+what it held at offload(), on the CPU (a copy made then if it was on the device: computed by a
+forward before offload()). Between forwards the attribute is stale, as it is after
+load_state_dict on a resident model until its next forward.
 
 remove() puts the caller's hooks back where ours still stand."""
 from __future__ import annotations
@@ -23,6 +24,7 @@ import copy
 import time
 from typing import Any, Dict, List, Tuple
 
+import torch
 from torch import nn
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -89,9 +91,18 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
             hooks[key] = ours
             off._prehooks.append((hooks, key, hook, ours))
             for name in _computed(hook):
-                computed[name] = m.__dict__.get(name)
+                if name in m.__dict__:
+                    computed[name] = m.__dict__[name] = _on_host(m.__dict__[name])
         if computed:
             _restore_after(off, m, computed)
+
+
+def _on_host(value: Any) -> Any:
+    """value, or a CPU copy of it if it is a tensor elsewhere: the weight a forward on the
+    device computed before offload() (a model built or run there first) is a device copy."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.detach().to("cpu")
+    return value
 
 
 def _restore_after(off: Any, m: nn.Module, computed: Dict[str, Any]) -> None:
