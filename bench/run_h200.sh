@@ -3,8 +3,8 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -158,6 +158,14 @@ if has diffab; then
     SPILLWAY_CONF=vmm=off pyrun offload-$wl-segments 300 bench/peers/torch_offload.py --workload $wl \
       --variants resident,spillway-plan
   done
+fi
+if has shapes; then
+  # diffusers models whose forward reaches the weights by other roads (bench/dev/diffusers_shapes.py):
+  # weight_norm's pre-hooks, fp8 layerwise casting, GGUF parameters; each bitwise against resident
+  log "bench/dev/diffusers_shapes.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
+    python3 bench/dev/diffusers_shapes.py ${SHAPES_ARGS:-} 2>"$OUT/shapes.err" | tee "$OUT/shapes.txt" || rc=1
+  tail -15 "$OUT/shapes.err"
 fi
 if has pipeline; then
   log "bench/peers/torch_pipeline.py"
