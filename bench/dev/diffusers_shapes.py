@@ -20,33 +20,21 @@ bitwise with the same model resident, the bytes uploaded per call, host time per
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict
 
 import torch
 
 import spillway.torch as spt
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
+import torch_diffusion as td  # noqa: E402  (its models, timing and byte count)
+
 GiB = 1 << 30
 MiB = 1 << 20
 DEV = torch.device("cuda")
-
-
-def nbytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-
-
-def timed(fn: Callable[[], Any], n: int) -> Tuple[List[float], Any]:
-    times, out = [], None
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return times, out
 
 
 def offloaded_run(model: torch.nn.Module, fn: Callable[[], torch.Tensor], budget: int, calls: int,
@@ -57,7 +45,7 @@ def offloaded_run(model: torch.nn.Module, fn: Callable[[], torch.Tensor], budget
     torch.cuda.empty_cache()
     off = spt.offload(model, budget=budget, **options)
     with torch.no_grad():
-        times, out = timed(fn, calls)
+        times, out = td.timed_steps(fn, calls)
     st = off.stats()
     res = {"out": out, "ms": statistics.median(times[calls // 2:]), "first_ms": times[0],
            "moved": st["bytes_h2d"]["total"] / calls, "hook_us": st["offload"]["hook_us_median"],
@@ -81,7 +69,7 @@ def oobleck(args: argparse.Namespace) -> bool:
     with torch.device(DEV):
         vae = AutoencoderOobleck()
     vae = vae.eval().requires_grad_(False)
-    total = nbytes(vae)
+    total = td.nbytes(vae)
     g = torch.Generator(device=DEV).manual_seed(0)
     z = torch.randn(1, vae.config.decoder_input_channels, args.frames, device=DEV, generator=g)
     fn = lambda: vae.decode(z).sample  # noqa: E731
@@ -98,15 +86,13 @@ def oobleck(args: argparse.Namespace) -> bool:
 
 
 def flux_fp8(args: argparse.Namespace) -> bool:
-    sys.path.insert(0, "bench/peers")
-    import torch_diffusion as td
     ok = True
     ms = {}
     for storage in (None, torch.float8_e4m3fn):
         model, inputs = td.flux(False)
         if storage is not None:
             model.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.bfloat16)
-        total = nbytes(model)
+        total = td.nbytes(model)
         kw = inputs()
         fn = lambda: td._out(model(**kw))  # noqa: E731
         with torch.no_grad():
@@ -139,7 +125,7 @@ def gguf_stack(args: argparse.Namespace) -> bool:
         lin.weight = GGUFParameter(torch.from_numpy(q).to(DEV), quant_type=gguf.GGMLQuantizationType.Q8_0)
         layers.append(lin)
     model = torch.nn.Sequential(*layers).requires_grad_(False)
-    total = nbytes(model)
+    total = td.nbytes(model)
     x = torch.randn(8, n, device=DEV, dtype=torch.bfloat16)
     fn = lambda: model(x)  # noqa: E731
     with torch.no_grad():
