@@ -7,8 +7,9 @@ importable (put its src/ on PYTHONPATH) and says so when it is not.
 
 For each model and budget, per variant: ms per steady step (median of the steps after the first
 20), the first 20 steps' total, bytes uploaded per steady step, spillway's host time per acquire
-and unit count, peak device memory (PyTorch's reserved plus spillway's held), and whether the
-output is bitwise equal to the resident model's. Variants: resident, spillway-POLICY (offload()
+and unit count, peak device memory (PyTorch's reserved plus spillway's held), whether the
+output is bitwise equal to the resident model's, and how long offload() itself took (packing the
+weights into pinned host memory). Variants: resident, spillway-POLICY (offload()
 with that policy; offload() picks its device arena's mode), spillway-POLICY-segments and
 spillway-POLICY-pages (the same with the mode asked: plain segments, vmm="off", one allocation a
 unit; or pages of one mapped range, vmm="on"), group-leaf, group-block, accelerate. The physical bound of a step is
@@ -185,7 +186,9 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
         # spillway-POLICY (the arena's mode as offload() picks it), or -segments / -pages: plain
         # segments (vmm="off"), one allocation a unit, or pages of one mapped range (vmm="on")
         opts = {"vmm": "off"} if name.endswith("-segments") else {"vmm": "on"} if name.endswith("-pages") else {}
+        t = time.perf_counter()
         handle = spt.offload(model, budget=budget, policy=name.split("-")[1], **opts)
+        setup_s = time.perf_counter() - t
     elif name.startswith("group"):
         level = "leaf_level" if name == "group-leaf" else "block_level"
         extra = {} if level == "leaf_level" else {"num_blocks_per_group": 1}
@@ -205,7 +208,7 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
     res["peak_device"] = res["peak_reserved"]
     if handle is not None:
         st = handle.stats()
-        res.update(units=len(handle.units), moved_per_step=st["bytes_h2d"]["total"] / max(handle.steps, 1),
+        res.update(setup_s=setup_s, units=len(handle.units), moved_per_step=st["bytes_h2d"]["total"] / max(handle.steps, 1),
                    hook_us_per_acquire=st["offload"]["hook_us_median"],
                    hook_us_mean=handle.hook_ns / max(handle.acquires, 1) / 1e3, held_peak=st["held"]["peak"],
                    peak_device=res["peak_reserved"] + st["held"]["peak"], plan_hits=st["plan_hits"]["total"],
@@ -283,8 +286,8 @@ def main() -> None:
                       f"{r['first20_ms']:9.0f} {r['first20_over_steady']:7.2f} {fmt(mv and mv / GiB, '%8.2f G'):>10} "
                       f"{fmt(r.get('hook_us_per_acquire'), '%6.1f'):>6} {fmt(r.get('units'), '%5d'):>5} "
                       f"{r['peak_device'] / GiB:6.2f} G {r['equal']}", flush=True)
-                if r.get("policy"):
-                    print(f"{'':14} {r['policy']}", flush=True)  # the pipeline plan's timing chose
+                if r.get("policy"):  # the pipeline plan's timing chose; offload()'s own time (packing, pinning)
+                    print(f"{'':14} {r['policy']}; offload() took {r['setup_s']:.1f} s", flush=True)
                 if args.per_step:
                     print(f"{'':14} first 20 steps, ms: {' '.join(f'{t:.0f}' for t in r['first20_step_ms'])}", flush=True)
     if args.json:
