@@ -186,6 +186,7 @@ typedef struct spw_counter {
     X(buffers_host, 0, "buffers with only a host copy (or dead)")                              \
     X(resident_bytes, 1, "bytes of buffers with a device copy (offloaded weights on the device)") \
     X(host_held, 1, "pinned host bytes held by the buffer host pool")                          \
+    X(host_pageable, 1, "registered host copies the system would not page-lock (slower copies)") \
     X(pinned, 1, "device bytes of acquired (pinned) buffers")                                 \
     X(plan_hits, 0, "policy=plan: acquisitions that matched the learned plan")                \
     X(plan_divergences, 0, "policy=plan: steps that left the plan (then LRU for the step)")   \

@@ -225,6 +225,10 @@ static spw_status emu_host_register(spw_backend *b, void *ptr, size_t bytes) {
         st = spw__error(SPW_ERR_STATE,
                         "emu: host_register(%p, %zu): overlaps pinned range %p (%zu bytes)", ptr,
                         bytes, a->ptr, a->bytes);
+    } else if (e->pin_limit && bytes > e->pin_limit - e->pinned_host) {
+        st = spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
+                        "emu: host_register(%p, %zu): %zu of the %zu bytes that can be page-locked "
+                        "are already", ptr, bytes, e->pinned_host, e->pin_limit);
     } else if ((a = calloc(1, sizeof *a)) != NULL) {
         a->ptr = ptr;
         a->bytes = bytes;
@@ -233,6 +237,8 @@ static spw_status emu_host_register(spw_backend *b, void *ptr, size_t bytes) {
     if (st == SPW_OK && (!a || hash_oom_)) {
         free(a);
         st = spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "emu: host_register: out of memory");
+    } else if (st == SPW_OK) {
+        e->pinned_host += bytes;
     }
     pthread_mutex_unlock(&e->mem_lock);
     return st;
@@ -244,7 +250,10 @@ static spw_status emu_host_unregister(spw_backend *b, void *ptr) {
     emu_alloc *a = NULL;
     pthread_mutex_lock(&e->mem_lock);
     HASH_FIND_PTR(e->regs, &ptr, a);
-    if (a) HASH_DEL(e->regs, a);
+    if (a) {
+        HASH_DEL(e->regs, a);
+        e->pinned_host -= a->bytes;
+    }
     pthread_mutex_unlock(&e->mem_lock);
     if (!a) return spw__error(SPW_ERR_NOT_FOUND, "emu: host_unregister(%p): not registered", ptr);
     free(a);
@@ -552,6 +561,7 @@ spw_status spw__backend_emu_create(const spw_backend_params *p, spw_backend **ou
     e->base.ops = &e->ops;
     e->base.device = p->device;
     e->capacity = p->emu_capacity ? p->emu_capacity : 80 * SPW_GiB;
+    e->pin_limit = p->emu_pin_limit;
     e->gran = gran;
     e->page = page;
     e->vmm = p->emu_vmm >= 0;

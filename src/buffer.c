@@ -171,6 +171,7 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     else e->last = b->prev;
     if (b->hblock) spw__hostpool_free(e->hp, b->hblock);
     if (b->registered) OPS(ctx)->host_unregister(BE(ctx), b->host); /* failure: nothing to undo */
+    else if (b->user_host) spw__stat_add(&ctx->stats.host_pageable, -(int64_t)b->bytes);
     if (b->managed && b->host) OPS(ctx)->managed_free(BE(ctx), b->host);
     /* waits still owed on these events (a settle that failed) are enqueued now, or forgotten:
      * the destroy waited for the buffer's work */
@@ -368,6 +369,7 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
     /* Pinned where possible: memory already pinned, or a backend that refuses, still works
      * (copies from pageable memory are slower but correct). */
     b->registered = OPS(ctx)->host_register(BE(ctx), host, bytes) == SPW_OK;
+    if (!b->registered) spw__stat_add(&ctx->stats.host_pageable, (int64_t)bytes);
     buf_link(ctx, b);
     pthread_mutex_unlock(&ctx->lock);
     spw__error_clear();

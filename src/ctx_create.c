@@ -25,6 +25,7 @@ static spw_status pick_backend(const spw_config *cfg, spw_backend **out) {
         .emu_vmm = 1,
         .emu_managed = 1,
         .emu_h2d_gbps = cfg->emu_link_gbps,
+        .emu_pin_limit = cfg->emu_pin_limit,
     };
     switch (cfg->backend) {
     case SPW_BACKEND_CUDA:

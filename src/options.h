@@ -34,6 +34,7 @@ struct spw_config {
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */
     size_t emu_capacity;
     int emu_link_gbps;          /* emu: simulated copy rate, 0 = memcpy speed */
+    size_t emu_pin_limit;       /* emu: host bytes that can be page-locked */
     size_t small_limit;         /* requests at most this go to the small-block arena */
     spw_residency_kind residency; /* offload engine: default residency of buffers */
     spw_policy_kind policy;     /* offload engine: eviction/prefetch policy */

@@ -468,6 +468,39 @@ static void test_host_pool(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* Caller memory the system will not page-lock (emu_pin_limit, as WSL2 limits pinned memory)
+ * is still a buffer, its copies from pageable memory; host_pageable counts it until destroyed. */
+static void test_register_host_past_the_pin_limit(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = test_ctx("budget=64MiB,emu_pin_limit=3MiB");
+    uint8_t *mem[2] = {malloc(2 * MiB), malloc(2 * MiB)};
+    spw_buf *r[2];
+    for (int i = 0; i < 2; i++) {
+        memset(mem[i], 7 + i, 2 * MiB);
+        assert_ok(spw_buf_register_host(ctx, mem[i], 2 * MiB, SPW_BUF_READ_ONLY, &r[i]));
+    }
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.host_pageable.current, 2 * MiB); /* the second one: 2 + 2 > 3 MiB */
+    check_contents(r[1], 8);
+    void *d;
+    assert_ok(spw_acquire(r[1], NULL, SPW_ACCESS_READ, &d));
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    assert_int_equal(((uint8_t *)d)[2 * MiB - 1], 8);
+    assert_ok(spw_release(r[1], NULL));
+    assert_ok(spw_buf_destroy(r[1]));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.host_pageable.current, 0);
+    assert_ok(spw_buf_destroy(r[0])); /* the page-locked one leaves the counter alone */
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.host_pageable.current, 0);
+    assert_int_equal(st.host_pageable.peak, 2 * MiB);
+    free(mem[0]);
+    free(mem[1]);
+    spw_ctx_destroy(ctx);
+}
+
 /* Managed residency: same API, budget charged while resident; refused without concurrent
  * managed access with a message naming residency=explicit. */
 static void test_managed(void **state) {
@@ -890,6 +923,7 @@ int main(void) {
         cmocka_unit_test(test_host_write_window),
         cmocka_unit_test(test_streaming_calls), cmocka_unit_test(test_release_acquire),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
+        cmocka_unit_test(test_register_host_past_the_pin_limit),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
         cmocka_unit_test(test_destroy_failure_keeps_buffer),
         cmocka_unit_test(test_bad_input),

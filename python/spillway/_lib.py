@@ -41,6 +41,7 @@ STAT_NAMES = (
     "buffers_host",
     "resident_bytes",
     "host_held",
+    "host_pageable",
     "pinned",
     "plan_hits",
     "plan_divergences",

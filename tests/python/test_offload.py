@@ -1329,3 +1329,21 @@ def test_forwards_from_several_threads_run_one_at_a_time(call):
     assert not errors and not wrong, (errors[:2], len(wrong))
     assert off.stats()["bytes_h2d"]["total"] > 0
     off.remove()
+
+
+def test_weights_the_system_will_not_page_lock_still_offload_and_are_reported():
+    """A system that limits pinned memory (WSL2; emu_pin_limit here) refuses to page-lock some
+    packs: offload() warns with the bytes, the summary says so, and the model still runs from
+    them, equal to resident, the weights moving."""
+    torch.manual_seed(0)
+    m = frozen(make_stack(dim=1024, depth=8))  # eight 4 MiB units
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 1024)
+    with pytest.warns(UserWarning, match=r"would not page-lock 20\.0\d* MiB of the 32\.0\d* MiB"):
+        off = spt.offload(m, budget="12MiB", emu_pin_limit="13MiB", **EMU)  # three packs of 4 MiB + pages
+    assert off.stats()["host_pageable"]["current"] == 5 * 4 * MiB
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), ref(x))
+    assert "not page-locked" in off.summary()
+    off.remove()
+    assert off.final_stats["host_pageable"]["current"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _lib
-from ..core import Context
+from ..core import Context, format_size
 from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
@@ -168,8 +169,10 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # ---- move: pack and register each unit; undo everything on failure ----
     try:
         owners = _param_owners(module)
+        pageable = off.context.stats()["host_pageable"]["current"]
         for u in units:
             _views.pack(off, u, owners)
+        _warn_pageable(off.context.stats()["host_pageable"]["current"] - pageable, sum(u.nbytes for u in units))
         off._edits = _edits.HostEdits(units)
         if off._train:
             _train.to_host(off, optimizer)
@@ -206,6 +209,17 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     _setup.ACTIVE[module] = weakref.ref(off)
     return off
 
+
+
+def _warn_pageable(refused: int, total: int) -> None:
+    """Say so when the system would not page-lock some of the packs (WSL2 limits pinned memory):
+    they stay usable, but a copy from pageable memory is staged by the driver, slower, and holds
+    the calling thread until it is done."""
+    if refused > 0:
+        warnings.warn(f"spillway: the system would not page-lock {format_size(refused)} of the "
+                      f"{format_size(total)} of offloaded weights; uploads from them run slower "
+                      "and wait on the host (free host memory, or raise the limit on pinned memory)",
+                      stacklevel=4)
 
 
 def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:

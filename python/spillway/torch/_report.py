@@ -136,6 +136,9 @@ def summary(off: Any) -> str:
         f"  resident units    {s['buffers_resident']['current']} now, "
         f"{format_size(s['live']['current'])} on the device",
     ]
+    if s["host_pageable"]["current"]:
+        lines.append(f"  host copies       {format_size(s['host_pageable']['current'])} not page-locked (the system "
+                     "refused): uploads from them are slower and wait on the host")
     if off.optimizer is not None:
         trained = _train.offloaded_trained(off)
         nb = sum(e.nbytes for e in trained)
