@@ -3,6 +3,7 @@ resident module, the packing, the hooks' corner cases, backward, remove() and ba
 from __future__ import annotations
 
 import copy
+import io
 import inspect
 import json
 import types
@@ -1347,3 +1348,36 @@ def test_weights_the_system_will_not_page_lock_still_offload_and_are_reported():
     assert "not page-locked" in off.summary()
     off.remove()
     assert off.final_stats["host_pageable"]["current"] == 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """What transformers' save_pretrained and safetensors tell tensors apart by: the device,
+    the storage's address and size (transformers' id_tensor_storage)."""
+    s = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
+    return (t.device, s.data_ptr(), s.nbytes())
+
+
+def test_the_state_dict_of_an_offloaded_model_has_a_storage_a_tensor():
+    """Savers tell tied weights by their storage: transformers' save_pretrained keeps one tensor
+    of each storage several share (older versions drop the others silently), safetensors
+    refuses overlapping ones. The host copies of an offloaded model have a storage each, as a
+    resident model's do; tied weights share theirs. A state_dict saved and loaded round-trips."""
+    m = frozen(make_decoder(dim=256, layers=4))  # its lm_head is tied to its embedding
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="4MiB", **EMU)
+    sd = m.state_dict()
+    keys = {k: _storage_key(t) for k, t in sd.items()}
+    want = {k: _storage_key(t) for k, t in ref.state_dict().items()}
+    groups = lambda d: sorted(sorted(k for k in d if d[k] == v) for v in set(d.values()))  # noqa: E731
+    assert groups(keys) == groups(want)  # the same tensors share storages: the tied pair only
+    assert any(len(g) == 2 for g in groups(keys))
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    assert buf.tell() < 1.05 * sum(t.numel() * t.element_size() for t in ref.state_dict().values()) + (1 << 20)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert all(torch.equal(loaded[k], t) for k, t in ref.state_dict().items())
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(ids))[0], ref(ids)[0])
+    off.remove()

@@ -7,10 +7,11 @@ How it works, and the contracts it keeps:
   tensors fit a quarter of the budget is one unit, a larger one is split into its children, runs
   of small neighbours form one unit; blocks=[...] names them instead. Every other module with
   parameters or buffers of its own is a unit of its own. A unit's
-  tensors are packed contiguously (256-byte aligned) into ONE page-aligned CPU tensor that is
+  tensors are packed contiguously (256-byte aligned) into ONE anonymous mapping that is
   registered as the host copy of ONE read-only spillway buffer (spw_buf_register_host: no second
-  host copy). Between forwards every offloaded tensor is a CPU view of that pack, so
-  state_dict() and printing work and read the real values.
+  host copy). Between forwards every offloaded tensor is a CPU tensor over its bytes of that
+  pack, on a storage of its own (_views.pack), so state_dict(), saving and printing work and
+  read the real values.
 - A tensor is assigned to the first unit that reaches it, so a tied weight (one Parameter in two
   modules) is stored once; each module that holds it acquires that unit.
 - Hooks. offload() wraps the forward of every hooked module (each block, each other module with

@@ -3,6 +3,7 @@ context (pack), and the sets of device tensors over the unit's device copy that 
 pointed at while it is acquired (new_set; _offload.Offload._point re-points them)."""
 from __future__ import annotations
 
+import mmap
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -13,16 +14,20 @@ from ._units import _DevSet, _Unit, _align, _columns
 
 
 def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]) -> None:
-    """Copy u's tensors into one page-aligned CPU tensor, register it as the host copy of u's
-    read-only buffer in off's context, and point every tensor of u at its view in the pack."""
-    # Whole pages: the library pins the range (cudaHostRegister), and a page shared with
-    # another allocation that is registered too would make that registration fail.
+    """Copy u's tensors into one page-aligned anonymous mapping, register it as the host copy of
+    u's read-only buffer in off's context, and point every tensor of u at its own tensor there.
+
+    Whole pages: the library pins the range (cudaHostRegister), and a page shared with another
+    allocation that is registered too would make that registration fail. Each tensor's host
+    copy has a storage of its own over its bytes of the mapping (torch.frombuffer, which keeps
+    the mapping alive), as a resident model's tensors have: code that tells tied weights by
+    their storage (transformers' save_pretrained drops all but one tensor of a storage shared
+    by several, safetensors refuses them) sees the offloaded model's tensors as distinct."""
     reg = _align(u.nbytes, _PAGE)
-    raw = torch.empty(reg + _PAGE, dtype=torch.uint8)  # every tensor byte is copied in below
-    start = (-raw.data_ptr()) % _PAGE
-    pack = raw[start:start + reg]
+    mem = mmap.mmap(-1, reg, flags=mmap.MAP_PRIVATE)  # anonymous, private to the process
+    pack = torch.frombuffer(mem, dtype=torch.uint8)
     for e in u.entries:
-        view = typed(pack, e.offset, e.nbytes, e.dtype, e.shape)
+        view = own_storage(mem, e.offset, e.nbytes, e.dtype, e.shape)
         with torch.no_grad():
             view.copy_(e.tensor.data)
         e.host_view = view
@@ -30,7 +35,7 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
     # registered only after the copy: the library's host copy must be the final contents
     u.buf = off.context.register_host(pack.data_ptr(), reg, read_only=True)
     u.handle = u.buf.handle
-    u.pack = raw
+    u.pack = pack
     u.host_pairs = tuple((e.tensor, e.host_view) for e in u.entries if e.is_buffer)
     u.slot_plan = (tuple((d, k, i) for i, e in enumerate(u.entries) if not e.is_buffer
                          for d, k in owners.get(id(e.tensor), ())),
@@ -77,6 +82,9 @@ def _empty_like(e: Any, device: torch.device) -> torch.Tensor:
     return d
 
 
-def typed(base: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-    """The bytes [offset, offset + nbytes) of base as a contiguous tensor of dtype and shape."""
-    return base[offset:offset + nbytes].view(dtype).view(shape)
+def own_storage(mem: mmap.mmap, offset: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    """The bytes [offset, offset + nbytes) of mem as a contiguous tensor of dtype and shape, on
+    a storage of its own (empty for no bytes)."""
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mem, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
