@@ -109,8 +109,12 @@ static spw_status oom(emu_backend *e, const char *call, size_t bytes) {
                       spw__fmt_bytes(c, sizeof c, e->capacity));
 }
 
-/* Map `bytes` and record it in *table; charge it to capacity when `charge` (device memory,
- * which is also MAP_NORESERVE: committed only when touched). */
+/* Map `bytes` and record it in *table; charge it to what `charge` names (device memory is also
+ * MAP_NORESERVE: committed only when touched). */
+/* What an allocation counts against: nothing, the device's capacity, or the bytes the host can
+ * page-lock (pin_limit, as a system that limits pinned memory has). */
+enum { CHARGE_NONE, CHARGE_DEVICE, CHARGE_PINNED };
+
 static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, int charge,
                              const char *call, void **out) {
     int hash_oom_ = 0;
@@ -119,12 +123,18 @@ static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, in
                           bytes, (void *)out, !out ? "out is NULL" : "size is 0");
     spw_status st = SPW_OK;
     pthread_mutex_lock(&e->mem_lock);
-    if (charge && bytes > e->capacity - e->used) {
+    if (charge == CHARGE_DEVICE && bytes > e->capacity - e->used) {
         st = oom(e, call, bytes);
         goto done;
     }
+    if (charge == CHARGE_PINNED && e->pin_limit && bytes > e->pin_limit - e->pinned_host) {
+        st = spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
+                        "emu: %s of %zu bytes: %zu of the %zu bytes that can be page-locked are in use",
+                        call, bytes, e->pinned_host, e->pin_limit);
+        goto done;
+    }
     emu_alloc *a = calloc(1, sizeof *a);
-    void *p = a ? map_aligned(e, bytes, e->page, PROT_READ | PROT_WRITE, charge ? MAP_NORESERVE : 0)
+    void *p = a ? map_aligned(e, bytes, e->page, PROT_READ | PROT_WRITE, charge == CHARGE_DEVICE ? MAP_NORESERVE : 0)
                 : NULL;
     if (p) {
         *a = (emu_alloc){.ptr = p, .bytes = bytes, .map_bytes = SPW_ALIGN_UP(bytes, e->page)};
@@ -138,7 +148,8 @@ static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, in
                         call, bytes, strerror(err));
         goto done;
     }
-    if (charge) e->used += bytes;
+    if (charge == CHARGE_DEVICE) e->used += bytes;
+    else if (charge == CHARGE_PINNED) e->pinned_host += bytes;
     *out = p;
 done:
     pthread_mutex_unlock(&e->mem_lock);
@@ -154,7 +165,8 @@ static spw_status free_from(emu_backend *e, emu_alloc **table, void *ptr, int ch
     HASH_FIND_PTR(*table, &ptr, a);
     if (a) {
         HASH_DEL(*table, a);
-        if (charge) e->used -= a->bytes;
+        if (charge == CHARGE_DEVICE) e->used -= a->bytes;
+        else if (charge == CHARGE_PINNED) e->pinned_host -= a->bytes;
     }
     pthread_mutex_unlock(&e->mem_lock);
     if (!a)
@@ -167,32 +179,32 @@ static spw_status free_from(emu_backend *e, emu_alloc **table, void *ptr, int ch
 
 static spw_status emu_dev_alloc(spw_backend *b, size_t bytes, void **out) {
     ENTER(EMU(b), DEV_ALLOC);
-    return alloc_into(EMU(b), &EMU(b)->devs, bytes, 1, "dev_alloc", out);
+    return alloc_into(EMU(b), &EMU(b)->devs, bytes, CHARGE_DEVICE, "dev_alloc", out);
 }
 
 static spw_status emu_dev_free(spw_backend *b, void *ptr) {
     ENTER(EMU(b), DEV_FREE);
-    return free_from(EMU(b), &EMU(b)->devs, ptr, 1, "dev_free", "dev_alloc");
+    return free_from(EMU(b), &EMU(b)->devs, ptr, CHARGE_DEVICE, "dev_free", "dev_alloc");
 }
 
 static spw_status emu_host_alloc(spw_backend *b, size_t bytes, void **out) {
     ENTER(EMU(b), HOST_ALLOC);
-    return alloc_into(EMU(b), &EMU(b)->hosts, bytes, 0, "host_alloc", out);
+    return alloc_into(EMU(b), &EMU(b)->hosts, bytes, CHARGE_PINNED, "host_alloc", out);
 }
 
 static spw_status emu_host_free(spw_backend *b, void *ptr) {
     ENTER(EMU(b), HOST_FREE);
-    return free_from(EMU(b), &EMU(b)->hosts, ptr, 0, "host_free", "host_alloc");
+    return free_from(EMU(b), &EMU(b)->hosts, ptr, CHARGE_PINNED, "host_free", "host_alloc");
 }
 
 static spw_status emu_managed_alloc(spw_backend *b, size_t bytes, void **out) {
     ENTER(EMU(b), MANAGED_ALLOC);
-    return alloc_into(EMU(b), &EMU(b)->manageds, bytes, 1, "managed_alloc", out);
+    return alloc_into(EMU(b), &EMU(b)->manageds, bytes, CHARGE_DEVICE, "managed_alloc", out);
 }
 
 static spw_status emu_managed_free(spw_backend *b, void *ptr) {
     ENTER(EMU(b), DEV_FREE);
-    return free_from(EMU(b), &EMU(b)->manageds, ptr, 1, "managed_free", "managed_alloc");
+    return free_from(EMU(b), &EMU(b)->manageds, ptr, CHARGE_DEVICE, "managed_free", "managed_alloc");
 }
 
 /* The entry of `table` that contains [p, p+bytes) (inside=1) or overlaps it (inside=0), or

@@ -84,7 +84,8 @@ typedef struct emu_backend {
     spw_backend base; /* first: a spw_backend * is an emu_backend * */
     spw_backend_ops ops;
     size_t capacity, gran, page;
-    size_t pin_limit, pinned_host; /* host_register: the limit (0: none), bytes registered; mem_lock */
+    /* page-locked host bytes (host_alloc and host_register) and their limit (0: none); mem_lock */
+    size_t pin_limit, pinned_host;
     int vmm, managed;
     double gbps;
     _Atomic uint64_t calls[SPW_CALL_COUNT_];

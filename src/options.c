@@ -48,8 +48,8 @@ static const opt_def options[] = {
     {"emu_link_gbps", OPT_INT, "0", NULL, OFF(emu_link_gbps),
      "emu: host<->device copies take bytes / this rate in GB/s, as over a link (0: memcpy speed)"},
     {"emu_pin_limit", OPT_SIZE, "64TiB", NULL, OFF(emu_pin_limit),
-     "emu: host bytes that registering can page-lock in all, as a system that limits pinned "
-     "memory (WSL2) does; past it a registration is refused"},
+     "emu: host bytes that pinned allocations and registrations can page-lock in all, as a "
+     "system that limits pinned memory (WSL2) does; past it they are refused"},
     {"small_limit", OPT_SIZE, "1MiB", NULL, OFF(small_limit),
      "requests up to this size come from the small-block arena"},
     {"residency", OPT_ENUM, "explicit", "explicit|managed", OFF(residency),

@@ -290,7 +290,7 @@ static void cli_json_emu(void **state) {
         "\"dev_alloc_large\":{", "\"pinned_alloc\":{", "\"median_us\":", "\"fallback\":{", "\"chunks\":[",
         "\"reference_gbps\":", "\"usable_before_fallback_bytes\":", "\"self_test\":{", "\"verdict\":{",
         "\"recommended_budget_bytes\":", "\"conf\":\"SPILLWAY_CONF=budget=", "\"run\":\"spillway run --budget ",
-        "\"summary\":[", "EMULATED",
+        "\"summary\":[", "EMULATED", "\"pinned_host\":{\"ran\":true", "\"capped\":true",
     };
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!strstr(out, keys[i])) fail_msg("probe --json lacks %s:\n%s", keys[i], out);
@@ -363,12 +363,33 @@ static void cli_table_emu(void **state) {
     int rc = test_run_cmd(SPW_CLI " probe --backend emu --quick 2>/dev/null", &out);
     if (rc != 0) fail_msg("probe exited %d:\n%s", rc, out);
     static const char *const want[] = {"EMULATED", "emu backend", "Device", "Transfers (", "pinned host -> device",
-                                       "both ways, 2 streams", "Allocation latency", "Fallback scan", "self-test",
+                                       "both ways, 2 streams", "Allocation latency", "Pinned host memory (",
+                                       "none refused", "Fallback scan", "self-test",
                                        "Verdict", "SPILLWAY_CONF=budget=", "spillway run --budget", "probe took"};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         if (!strstr(out, want[i])) fail_msg("probe table lacks '%s':\n%s", want[i], out);
     assert_null(strstr(out, "FAILED"));
     assert_true(out[0] != '{');
+    free(out);
+}
+
+/* A system that limits pinned memory (WSL2; SPILLWAY_CONF's emu_pin_limit here): the probe
+ * reports how much it could pin, the refusal, and a verdict line; it is a finding, not a failure. */
+static void cli_pinned_limit_emu(void **state) {
+    (void)state;
+    char *out = NULL;
+    int rc = test_run_cmd("SPILLWAY_CONF=emu_pin_limit=20MiB " SPW_CLI " probe --backend emu --quick --json", &out);
+    if (rc != 0) fail_msg("probe --json exited %d:\n%s", rc, out);
+    if (!json_valid(out)) fail_msg("probe --json printed invalid JSON:\n%s", out);
+    static const char *const keys[] = {"\"ok\":true", "\"pinnable_bytes\":20971520", "\"capped\":false",
+                                       "can be page-locked", "PINNED MEMORY LIMITED: the system page-locks only 20 MiB"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!strstr(out, keys[i])) fail_msg("probe --json lacks %s:\n%s", keys[i], out);
+    free(out);
+    rc = test_run_cmd("SPILLWAY_CONF=emu_pin_limit=20MiB " SPW_CLI " probe --backend emu --quick 2>/dev/null", &out);
+    if (rc != 0) fail_msg("probe exited %d:\n%s", rc, out);
+    if (!strstr(out, "Pinned host memory (") || !strstr(out, "20 MiB held, the next refused"))
+        fail_msg("probe table lacks the pinned limit:\n%s", out);
     free(out);
 }
 
@@ -422,6 +443,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(json_checker_rejects_garbage),
         cmocka_unit_test(cli_json_emu),
         cmocka_unit_test(cli_table_emu),
+        cmocka_unit_test(cli_pinned_limit_emu),
         cmocka_unit_test(cli_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

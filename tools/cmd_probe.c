@@ -91,6 +91,10 @@ static spw_probe_plan plan_for(bool emu, bool quick) {
         p.touch_whole_chunk = true;
         p.margin_bytes = 256 * SPW_MiB;
         p.selftest_bytes = quick ? 64 * SPW_MiB : 256 * SPW_MiB;
+        /* enough to see a limit such as WSL2's (hundreds of MiB to a few GiB) and whether a
+         * model's weights can be pinned, at a few hundred milliseconds a GiB */
+        p.pin_chunk = 256 * SPW_MiB;
+        p.pin_cap = quick ? 4 * SPW_GiB : 16 * SPW_GiB;
     } else {
         /* emu: host RAM is what gets touched, and host<->device copies crawl at the emulated
          * link's rate: keep everything small */
@@ -109,7 +113,12 @@ static spw_probe_plan plan_for(bool emu, bool quick) {
         p.touch_whole_chunk = false;
         p.margin_bytes = 64 * SPW_MiB;
         p.selftest_bytes = quick ? 2 * SPW_MiB : 8 * SPW_MiB;
+        p.pin_chunk = 4 * SPW_MiB;
+        p.pin_cap = quick ? 32 * SPW_MiB : 128 * SPW_MiB;
     }
+    /* never pin more than half of the memory the host has available */
+    size_t avail = spw_probe_host_available();
+    if (avail && p.pin_chunk && p.pin_cap > avail / 2) p.pin_cap = avail / 2 / p.pin_chunk * p.pin_chunk;
     return p;
 }
 

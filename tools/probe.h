@@ -177,6 +177,11 @@ typedef struct spw_probe_result {
     spw_probe_path paths[SPW_PATH_COUNT_];
     spw_probe_latency lat[SPW_LAT_COUNT_];
 
+    /* pinnable host memory: pinned allocations held at once until one is refused or the cap */
+    bool pin_ran, pin_capped; /* capped: the cap was reached, none refused */
+    size_t pin_chunk, pin_cap, pinnable_bytes;
+    char pin_error[256]; /* the refusal */
+
     /* fallback scan */
     bool scan_ran, scan_ok;
     char scan_error[256];
@@ -247,6 +252,7 @@ typedef struct spw_probe_plan {
     size_t xfer_bytes;        /* per transfer */
     int reps_pinned, reps_pageable, reps_d2d, reps_lat, reps_host_lat;
     size_t lat_small_bytes, host_lat_bytes;
+    size_t pin_chunk, pin_cap; /* pinnable host memory: allocations of pin_chunk up to pin_cap (0: skip) */
     size_t max_mem;           /* explicit --max-mem bytes, or 0 */
     double max_mem_fraction;  /* of free when max_mem == 0 (0.9 default, or --max-mem N%) */
     size_t min_chunk;         /* chunk = max(min_chunk, limit / chunk_divisor) */
@@ -289,6 +295,8 @@ void spw_probe_nvml_query(spw_probe_result *r, const char *bus_id, int index);
 
 /* ---- probe_sys.c ---- */
 bool spw_probe_is_wsl2(void);
+/* MemAvailable of /proc/meminfo in bytes; 0 when unknown. */
+size_t spw_probe_host_available(void);
 /* PCIe link of `bus_id` ("0000:1b:00.0", any case) from /sys/bus/pci/devices; false if absent. */
 bool spw_probe_sysfs_link(const char *bus_id, spw_probe_link *out);
 /* Process name from /proc/<pid>/comm, "?" when not visible (another PID namespace). */

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "options.h"
 #include "probe.h"
 
 #define EMU_MAX_MAPPED 8
@@ -163,6 +164,13 @@ static const spw_probe_ops emu_ops = {
 spw_status spw_probe_emu_open(spw_probe_result *r, const spw_probe_ops **ops, spw_probe_dev **out) {
     if (r->device != 0)
         return spw__error(SPW_ERR_INVALID_ARGUMENT, "no device %d: the emu backend has one device (0)", r->device);
+    /* SPILLWAY_CONF's emu_pin_limit emulates a system that limits pinned memory (WSL2) */
+    spw_config *cfg = NULL;
+    spw_status st = spw_config_create(&cfg);
+    if (!st) st = spw_config_from_env(cfg);
+    size_t pin_limit = st ? 0 : cfg->emu_pin_limit;
+    spw_config_destroy(cfg);
+    if (st) return st;
     spw_probe_dev *d = calloc(1, sizeof *d);
     if (!d) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "out of host memory");
     /* The emu reserves its capacity without committing it; the probe touches only what it
@@ -173,8 +181,9 @@ spw_status spw_probe_emu_open(spw_probe_result *r, const spw_probe_ops **ops, sp
                             .emu_granularity = 2 * SPW_MiB,
                             .emu_vmm = 1,
                             .emu_managed = 1,
-                            .emu_h2d_gbps = SPW_PROBE_EMU_LINK_GBPS};
-    spw_status st = spw__backend_emu_create(&p, &d->b);
+                            .emu_h2d_gbps = SPW_PROBE_EMU_LINK_GBPS,
+                            .emu_pin_limit = pin_limit};
+    st = spw__backend_emu_create(&p, &d->b);
     if (st) {
         free(d);
         return st;

@@ -360,6 +360,37 @@ static void measure_latency(meas *m, spw_probe_latency *l, bool host, size_t byt
     l->ok = true;
 }
 
+/* ---- 2b. pinnable host memory: pinned allocations of pin_chunk held at once, until the system
+ * refuses one or pin_cap is held. A system that limits pinned memory (WSL2) shows here: host
+ * copies past the limit are pageable, and copies from them are slower and block the caller. A
+ * refusal is a finding, not a failure of the probe. ---- */
+
+static void measure_pinnable(meas *m) {
+    const spw_probe_ops *o = m->ops;
+    spw_probe_result *r = m->r;
+    size_t chunk = m->plan->pin_chunk, n = chunk ? m->plan->pin_cap / chunk : 0;
+    if (!n) return;
+    void **held = calloc(n, sizeof *held);
+    if (!held) return;
+    r->pin_ran = true;
+    r->pin_chunk = chunk;
+    r->pin_cap = n * chunk;
+    size_t i = 0;
+    for (; i < n; i++) {
+        tick(m, "pinnable host memory", i, n);
+        if (o->host_alloc(m->d, chunk, &held[i])) {
+            set_err(r->pin_error, sizeof r->pin_error, "pinned allocation");
+            break;
+        }
+    }
+    spw__error_clear();
+    r->pinnable_bytes = i * chunk;
+    r->pin_capped = i == n;
+    while (i--)
+        if (o->host_free(m->d, held[i])) r->ok = false;
+    free(held);
+}
+
 /* ---- 3. the fallback scan ---- */
 
 /* Read `bytes` at base into the VRAM scratch buffer, window by window (start, middle, end), and
@@ -650,6 +681,7 @@ void spw_probe_measure(const spw_probe_ops *ops, spw_probe_dev *d, const spw_pro
     measure_latency(&m, &r->lat[SPW_LAT_DEV_SMALL], false, plan->lat_small_bytes, plan->reps_lat);
     measure_latency(&m, &r->lat[SPW_LAT_DEV_LARGE], false, plan->xfer_bytes, plan->reps_lat);
     measure_latency(&m, &r->lat[SPW_LAT_PINNED], true, plan->host_lat_bytes, plan->reps_host_lat);
+    measure_pinnable(&m);
 
     /* The scratch buffer is allocated before any chunk, while the device is least full, so it
      * is VRAM if anything is; every chunk is read into it. */

@@ -176,6 +176,11 @@ static int verdict(const spw_probe_result *r, verdict_lines out) {
         ADD("Pageable copies reach only %s / %s GB/s: keep host copies in pinned memory (spillway's host pool "
             "does).",
             gb(a, sizeof a, ph->best_gbps), gb(b, sizeof b, pd->best_gbps));
+    if (r->pin_ran && !r->pin_capped)
+        ADD("PINNED MEMORY LIMITED: the system page-locks only %s of host memory%s. Host copies past it stay "
+            "pageable: spillway.torch.offload warns and copies those weights from pageable memory, slower and "
+            "blocking. Free host memory or raise the limit; offload less than that.",
+            sz(a, sizeof a, r->pinnable_bytes), r->wsl2 ? " (WSL2 limits it)" : "");
     const spw_probe_latency *pl = &r->lat[SPW_LAT_PINNED];
     if (pl->ok && pl->median_us >= 1000) /* slow enough to matter on a hot path */
         ADD("%s of %s takes %s: pool pinned memory, never allocate it per buffer.", pl->api,
@@ -311,6 +316,14 @@ void spw_probe_print_table(const spw_probe_result *r, FILE *f) {
             fprintf(f, "  %-40s FAILED: %s\n", what, l->error);
     }
 
+    if (r->pin_ran) {
+        fprintf(f, "\nPinned host memory (%s, %s at a time, all held together, up to %s)\n",
+                r->lat[SPW_LAT_PINNED].api, sz(a, sizeof a, r->pin_chunk), sz(b, sizeof b, r->pin_cap));
+        if (r->pin_capped)
+            fprintf(f, "  %s held: none refused\n", sz(a, sizeof a, r->pinnable_bytes));
+        else
+            fprintf(f, "  %s held, the next refused: %s\n", sz(a, sizeof a, r->pinnable_bytes), r->pin_error);
+    }
     fprintf(f, "\nFallback scan (device allocations of %s up to %s = %s; each chunk read into VRAM scratch,\n"
                "%d window(s) of %s, slowest window; flagged below %.2fx the reference)\n",
             sz(a, sizeof a, r->chunk_bytes), sz(b, sizeof b, r->max_mem), r->max_mem_how, r->windows_per_chunk,
@@ -450,6 +463,10 @@ void spw_probe_print_json(const spw_probe_result *r, FILE *f) {
         jerr(f, l->error);
         fputc('}', f);
     }
+    fprintf(f, "},\n\"pinned_host\":{\"ran\":%s,\"chunk_bytes\":%zu,\"cap_bytes\":%zu,\"pinnable_bytes\":%zu,"
+               "\"capped\":%s,\"error\":",
+            jb(r->pin_ran), r->pin_chunk, r->pin_cap, r->pinnable_bytes, jb(r->pin_capped));
+    jerr(f, r->pin_error);
     fprintf(f, "},\n\"fallback\":{\"ran\":%s,\"ok\":%s,\"max_mem_bytes\":%zu,\"max_mem_how\":", jb(r->scan_ran),
             jb(r->scan_ok), r->max_mem);
     jstr(f, r->max_mem_how);

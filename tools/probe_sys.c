@@ -1,4 +1,5 @@
-/* Host facts for the probe: WSL2, the PCIe link from sysfs (when NVML is missing), process names. */
+/* Host facts for the probe: WSL2, available memory, the PCIe link from sysfs (when NVML is
+ * missing), process names. */
 #include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,17 @@ bool spw_probe_is_wsl2(void) {
     char v[512];
     if (!read_line("/proc/version", v, sizeof v)) return false;
     return strstr(v, "microsoft") || strstr(v, "Microsoft") || strstr(v, "WSL");
+}
+
+size_t spw_probe_host_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kib = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    fclose(f);
+    return (size_t)kib * 1024;
 }
 
 bool spw_probe_sysfs_link(const char *bus_id, spw_probe_link *out) {
