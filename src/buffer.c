@@ -368,7 +368,7 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
     b->user_host = true;
     /* Pinned where possible: memory already pinned, or a backend that refuses, still works
      * (copies from pageable memory are slower but correct). */
-    b->registered = OPS(ctx)->host_register(BE(ctx), host, bytes) == SPW_OK;
+    b->registered = ctx->cfg.host_register && OPS(ctx)->host_register(BE(ctx), host, bytes) == SPW_OK;
     if (!b->registered) spw__stat_add(&ctx->stats.host_pageable, (int64_t)bytes);
     buf_link(ctx, b);
     pthread_mutex_unlock(&ctx->lock);

@@ -73,6 +73,9 @@ static const opt_def options[] = {
      "the acquiring call does not enqueue the next buffers' copies itself; while a step is open "
      "(spw_step_begin) the worker polls, yielding its core, instead of sleeping, and watches the "
      "uploads it enqueued, so that acquiring one it saw complete takes no driver call"},
+    {"host_register", OPT_ENUM, "on", "off|on", OFF(host_register),
+     "buffers: page-lock caller memory registered as a buffer's host copy; off leaves it pageable "
+     "(as a system that refuses to pin it does: copies from it are staged by the driver)"},
     {"prefetch_trim", OPT_ENUM, "on", "off|on", OFF(prefetch_trim),
      "a prefetch may return cached device memory to make its room (a trim, which waits for the "
      "device); off declines such a prefetch and leaves the room to the demand load (steps with "

@@ -31,6 +31,7 @@ struct spw_config {
                                    -1: auto (tuned by measuring steps) */
     int prefetch_thread;        /* policy=plan: 1 = the prefetches after an acquire run on a worker */
     int prefetch_trim;          /* 0 = a prefetch whose room needs a trim is declined */
+    int host_register;          /* 0 = caller memory registered as a host copy is left pageable */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */
     size_t emu_capacity;
     int emu_link_gbps;          /* emu: simulated copy rate, 0 = memcpy speed */

@@ -496,6 +496,16 @@ static void test_register_host_past_the_pin_limit(void **state) {
     assert_ok(spw_stats_get(ctx, &st));
     assert_int_equal(st.host_pageable.current, 0);
     assert_int_equal(st.host_pageable.peak, 2 * MiB);
+    spw_ctx_destroy(ctx);
+    /* host_register=off: none is page-locked (the pageable path, measured on purpose) */
+    ctx = test_ctx("budget=64MiB,host_register=off");
+    unsigned long regs = spw__emu_calls(ctx->backend, SPW_CALL_HOST_REGISTER);
+    assert_ok(spw_buf_register_host(ctx, mem[0], 2 * MiB, SPW_BUF_READ_ONLY, &r[0]));
+    assert_int_equal(spw__emu_calls(ctx->backend, SPW_CALL_HOST_REGISTER), regs);
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.host_pageable.current, 2 * MiB);
+    check_contents(r[0], 7);
+    assert_ok(spw_buf_destroy(r[0]));
     free(mem[0]);
     free(mem[1]);
     spw_ctx_destroy(ctx);
