@@ -3,8 +3,8 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -166,6 +166,13 @@ if has shapes; then
   SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
     python3 bench/dev/diffusers_shapes.py ${SHAPES_ARGS:-} 2>"$OUT/shapes.err" | tee "$OUT/shapes.txt" || rc=1
   tail -15 "$OUT/shapes.err"
+fi
+if has pageable; then
+  # the path a system that refuses to pin (WSL2) gives: workload b with its host copies pageable
+  # (host_register=off); the offload section's b is the pinned figure
+  log "workload b, host copies pageable"
+  SPILLWAY_CONF=host_register=off pyrun offload-b-pageable 300 bench/peers/torch_offload.py --workload b \
+    --variants resident,spillway-plan
 fi
 if has pipeline; then
   log "bench/peers/torch_pipeline.py"
