@@ -149,7 +149,7 @@ typedef struct spw_backend_params {
     int emu_vmm;            /* emu: offer VMM (default 1) */
     int emu_managed;        /* emu: offer concurrent managed access (default 1) */
     double emu_h2d_gbps;    /* emu: simulated copy bandwidth, 0 = as fast as memcpy */
-    size_t emu_pin_limit;   /* emu: host bytes host_register page-locks at most, 0 = no limit */
+    size_t emu_pin_limit;   /* emu: host bytes host_alloc and host_register page-lock, 0 = no limit */
 } spw_backend_params;
 
 spw_status spw__backend_emu_create(const spw_backend_params *p, spw_backend **out);

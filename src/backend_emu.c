@@ -109,12 +109,12 @@ static spw_status oom(emu_backend *e, const char *call, size_t bytes) {
                       spw__fmt_bytes(c, sizeof c, e->capacity));
 }
 
+/* What an allocation counts against: the device's capacity, or the bytes the host can page-lock
+ * (pin_limit, as a system that limits pinned memory has). */
+enum { CHARGE_DEVICE = 1, CHARGE_PINNED };
+
 /* Map `bytes` and record it in *table; charge it to what `charge` names (device memory is also
  * MAP_NORESERVE: committed only when touched). */
-/* What an allocation counts against: nothing, the device's capacity, or the bytes the host can
- * page-lock (pin_limit, as a system that limits pinned memory has). */
-enum { CHARGE_NONE, CHARGE_DEVICE, CHARGE_PINNED };
-
 static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, int charge,
                              const char *call, void **out) {
     int hash_oom_ = 0;

@@ -171,7 +171,7 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     else e->last = b->prev;
     if (b->hblock) spw__hostpool_free(e->hp, b->hblock);
     if (b->registered) OPS(ctx)->host_unregister(BE(ctx), b->host); /* failure: nothing to undo */
-    else if (b->user_host) spw__stat_add(&ctx->stats.host_pageable, -(int64_t)b->bytes);
+    else if (b->pageable) spw__stat_add(&ctx->stats.host_pageable, -(int64_t)b->bytes);
     if (b->managed && b->host) OPS(ctx)->managed_free(BE(ctx), b->host);
     /* waits still owed on these events (a settle that failed) are enqueued now, or forgotten:
      * the destroy waited for the buffer's work */
@@ -366,10 +366,13 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
     }
     b->host = host;
     b->user_host = true;
-    /* Pinned where possible: memory already pinned, or a backend that refuses, still works
-     * (copies from pageable memory are slower but correct). */
-    b->registered = ctx->cfg.host_register && OPS(ctx)->host_register(BE(ctx), host, bytes) == SPW_OK;
-    if (!b->registered) spw__stat_add(&ctx->stats.host_pageable, (int64_t)bytes);
+    /* Pinned where possible: memory already pinned (SPW_ERR_STATE), or a backend that refuses,
+     * still works; what the system refused to pin is counted (copies from pageable memory are
+     * slower but correct). */
+    spw_status reg = ctx->cfg.host_register ? OPS(ctx)->host_register(BE(ctx), host, bytes) : SPW_ERR_UNSUPPORTED;
+    b->registered = reg == SPW_OK;
+    b->pageable = reg != SPW_OK && reg != SPW_ERR_STATE;
+    if (b->pageable) spw__stat_add(&ctx->stats.host_pageable, (int64_t)bytes);
     buf_link(ctx, b);
     pthread_mutex_unlock(&ctx->lock);
     spw__error_clear();

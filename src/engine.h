@@ -85,6 +85,7 @@ struct spw_buf {
     bool managed;    /* managed residency: `host` is the managed allocation */
     bool user_host;  /* host copy is the caller's memory (spw_buf_register_host) */
     bool registered; /* ... and host_register succeeded (unregister at destroy) */
+    bool pageable;   /* ... and the system refused to pin it (counted in host_pageable) */
     void *host;
     spw_hblock *hblock; /* host pool block, NULL for the caller's memory and managed */
 

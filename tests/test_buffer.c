@@ -483,6 +483,12 @@ static void test_register_host_past_the_pin_limit(void **state) {
     spw_stats st;
     assert_ok(spw_stats_get(ctx, &st));
     assert_int_equal(st.host_pageable.current, 2 * MiB); /* the second one: 2 + 2 > 3 MiB */
+    spw_buf *again; /* memory already pinned (the first one's): not counted */
+    assert_ok(spw_buf_register_host(ctx, mem[0], 2 * MiB, SPW_BUF_READ_ONLY, &again));
+    check_contents(again, 7);
+    assert_ok(spw_buf_destroy(again));
+    assert_ok(spw_stats_get(ctx, &st));
+    assert_int_equal(st.host_pageable.current, 2 * MiB);
     check_contents(r[1], 8);
     void *d;
     assert_ok(spw_acquire(r[1], NULL, SPW_ACCESS_READ, &d));

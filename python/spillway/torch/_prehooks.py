@@ -85,12 +85,13 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
         units = off._hook_units(needs)
         computed: Dict[str, Any] = {}
         for key, hook in list(hooks.items()):
-            if m is top and not _computed(hook):
+            names = _computed(hook)
+            if m is top and not names:
                 continue
             ours = _Acquiring(off, m, hook, units)
             hooks[key] = ours
             off._prehooks.append((hooks, key, hook, ours))
-            for name in _computed(hook):
+            for name in names:
                 if name in m.__dict__:
                     computed[name] = m.__dict__[name] = _on_host(m.__dict__[name])
         if computed:
