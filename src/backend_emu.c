@@ -113,6 +113,14 @@ static spw_status oom(emu_backend *e, const char *call, size_t bytes) {
  * (pin_limit, as a system that limits pinned memory has). */
 enum { CHARGE_DEVICE = 1, CHARGE_PINNED };
 
+/* SPW_ERR_HOST_OUT_OF_MEMORY when page-locking `bytes` more would pass pin_limit. mem_lock held. */
+static spw_status pin_room(emu_backend *e, const char *call, size_t bytes) {
+    if (!e->pin_limit || bytes <= e->pin_limit - e->pinned_host) return SPW_OK;
+    return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
+                      "emu: %s of %zu bytes: %zu of the %zu bytes that can be page-locked are in use", call,
+                      bytes, e->pinned_host, e->pin_limit);
+}
+
 /* Map `bytes` and record it in *table; charge it to what `charge` names (device memory is also
  * MAP_NORESERVE: committed only when touched). */
 static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, int charge,
@@ -127,12 +135,7 @@ static spw_status alloc_into(emu_backend *e, emu_alloc **table, size_t bytes, in
         st = oom(e, call, bytes);
         goto done;
     }
-    if (charge == CHARGE_PINNED && e->pin_limit && bytes > e->pin_limit - e->pinned_host) {
-        st = spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
-                        "emu: %s of %zu bytes: %zu of the %zu bytes that can be page-locked are in use",
-                        call, bytes, e->pinned_host, e->pin_limit);
-        goto done;
-    }
+    if (charge == CHARGE_PINNED && (st = pin_room(e, call, bytes))) goto done;
     emu_alloc *a = calloc(1, sizeof *a);
     void *p = a ? map_aligned(e, bytes, e->page, PROT_READ | PROT_WRITE, charge == CHARGE_DEVICE ? MAP_NORESERVE : 0)
                 : NULL;
@@ -237,11 +240,7 @@ static spw_status emu_host_register(spw_backend *b, void *ptr, size_t bytes) {
         st = spw__error(SPW_ERR_STATE,
                         "emu: host_register(%p, %zu): overlaps pinned range %p (%zu bytes)", ptr,
                         bytes, a->ptr, a->bytes);
-    } else if (e->pin_limit && bytes > e->pin_limit - e->pinned_host) {
-        st = spw__error(SPW_ERR_HOST_OUT_OF_MEMORY,
-                        "emu: host_register(%p, %zu): %zu of the %zu bytes that can be page-locked "
-                        "are already", ptr, bytes, e->pinned_host, e->pin_limit);
-    } else if ((a = calloc(1, sizeof *a)) != NULL) {
+    } else if (!(st = pin_room(e, "host_register", bytes)) && (a = calloc(1, sizeof *a)) != NULL) {
         a->ptr = ptr;
         a->bytes = bytes;
         HASH_ADD_PTR(e->regs, ptr, a);

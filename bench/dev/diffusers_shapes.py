@@ -148,12 +148,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12, help="flux: steps per variant")
     args = ap.parse_args()
-    try:
-        import diffusers  # noqa: F401
-    except ImportError as e:
-        print(f"diffusers_shapes: diffusers is not importable ({e}); put its src/ on PYTHONPATH")
-        sys.exit(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    td.require_diffusers("diffusers_shapes")
     failed = [c for c in args.cases.split(",") if not CASES[c](args)]
     print("all equal" if not failed else f"NOT EQUAL: {', '.join(failed)}")
     sys.exit(1 if failed else 0)

@@ -227,6 +227,17 @@ PLAN = {  # model -> [(budget: fraction of the weights or bytes, variants)]
 }
 
 
+def require_diffusers(prog: str) -> None:
+    """Exit with status 0 when diffusers is not importable (it is not on the GPU machine's
+    image), saying how to bring it; else turn TF32 off, as the bitwise comparisons need."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as e:
+        print(f"{prog}: diffusers is not importable ({e}); put its src/ on PYTHONPATH")
+        sys.exit(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="sd15,sdxl,flux")
@@ -238,12 +249,7 @@ def main() -> None:
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # model:budget:variant, in a child process
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    try:
-        import diffusers  # noqa: F401
-    except ImportError as e:
-        print(f"torch_diffusion: diffusers is not importable ({e}); put its src/ on PYTHONPATH")
-        sys.exit(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    require_diffusers("torch_diffusion")
     if args.one:
         key, budget, name = args.one.split(":")
         steps = args.slow_steps if name == "accelerate" else args.steps

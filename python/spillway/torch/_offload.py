@@ -25,7 +25,8 @@ How it works, and the contracts it keeps:
   (buffers keep their identity: modules alias and re-register them). After the forward (also
   when it raises) it puts the Parameters and host views back and releases on the same stream.
   Forward hooks of the caller's own run outside the wrapper; the pre-hooks present at
-  offload() run with the module's units acquired (_prehooks.py). A deep copy of an offloaded module is a plain module on copies of the host views.
+  offload() run with the module's units acquired (_prehooks.py). A deep copy of an offloaded
+  module is a plain module on copies of the host views.
   Acquisitions are counted per unit, so nested and repeated calls are safe. No host
   synchronization on the CUDA path. A parameter that a module replaces during its forward is
   left to it.
