@@ -187,6 +187,8 @@ typedef struct spw_counter {
     X(resident_bytes, 1, "bytes of buffers with a device copy (offloaded weights on the device)") \
     X(host_held, 1, "pinned host bytes held by the buffer host pool")                          \
     X(host_pageable, 1, "registered host copies the system would not page-lock (slower copies)") \
+    X(h2d_pageable, 1, "buffer bytes uploaded from host copies that are not page-locked")      \
+    X(repins, 0, "host copies page-locked or unlocked to give page-locked memory to what moves") \
     X(pinned, 1, "device bytes of acquired (pinned) buffers")                                 \
     X(plan_hits, 0, "policy=plan: acquisitions that matched the learned plan")                \
     X(plan_divergences, 0, "policy=plan: steps that left the plan (then LRU for the step)")   \

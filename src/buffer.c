@@ -170,8 +170,7 @@ static void buf_teardown(spw_ctx *ctx, spw_buf *b) {
     if (b->next) b->next->prev = b->prev;
     else e->last = b->prev;
     if (b->hblock) spw__hostpool_free(e->hp, b->hblock);
-    if (b->registered) OPS(ctx)->host_unregister(BE(ctx), b->host); /* failure: nothing to undo */
-    else if (b->pageable) spw__stat_add(&ctx->stats.host_pageable, -(int64_t)b->bytes);
+    spw__pin_forget(ctx, b);
     if (b->managed && b->host) OPS(ctx)->managed_free(BE(ctx), b->host);
     /* waits still owed on these events (a settle that failed) are enqueued now, or forgotten:
      * the destroy waited for the buffer's work */
@@ -366,13 +365,10 @@ SPW_API spw_status spw_buf_register_host(spw_ctx *ctx, void *host, size_t bytes,
     }
     b->host = host;
     b->user_host = true;
-    /* Pinned where possible: memory already pinned (SPW_ERR_STATE), or a backend that refuses,
-     * still works; what the system refused to pin is counted (copies from pageable memory are
+    /* Pinned where possible: memory already pinned (SPW_ERR_STATE), or a backend or limit that
+     * refuses, still works; what is not page-locked is counted (copies from pageable memory are
      * slower but correct). */
-    spw_status reg = ctx->cfg.host_register ? OPS(ctx)->host_register(BE(ctx), host, bytes) : SPW_ERR_UNSUPPORTED;
-    b->registered = reg == SPW_OK;
-    b->pageable = reg != SPW_OK && reg != SPW_ERR_STATE;
-    if (b->pageable) spw__stat_add(&ctx->stats.host_pageable, (int64_t)bytes);
+    spw__pin_register(ctx, b);
     buf_link(ctx, b);
     pthread_mutex_unlock(&ctx->lock);
     spw__error_clear();
@@ -661,9 +657,12 @@ static spw_status step(spw_ctx *ctx, bool begin) {
         e->step++;
         if (e->pops->step_begin) e->pops->step_begin(e->pol);
         if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, false);
-    } else if (e->pops->step_end) {
-        e->pops->step_end(e->pol);
-        if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, false);
+    } else {
+        spw__pin_rebalance(ctx); /* before the next step's prefetch reads the host copies */
+        if (e->pops->step_end) {
+            e->pops->step_end(e->pol);
+            if (e->pops->prefetch && e->streams_ok) e->pops->prefetch(e->pol, ctx, false);
+        }
     }
     spw__tsink_instant(e->sink, begin ? "step begin" : "step end", NULL, "engine", 0, e->step);
     pthread_mutex_unlock(&ctx->lock);

@@ -205,7 +205,9 @@ static spw_status upload_done(spw_ctx *ctx, spw_buf *b, size_t n) {
     b->host_rec = false;
     b->host_in_dev = true;
     b->xfer = true;
+    b->up_step = e->step;
     spw__stat_add(&ctx->stats.bytes_h2d, (int64_t)n);
+    if (b->pageable) spw__stat_add(&ctx->stats.h2d_pageable, (int64_t)n);
     return SPW_OK;
 }
 

@@ -1,7 +1,7 @@
 /*
  * Private declarations of the offload engine, shared by buffer.c (state machine and API),
  * residency.c (device copies, eviction, replica collapse), copy.c (transfers and their
- * ordering), prefetch_thread.c, step_wait.c and trace_events.c. The pinned host pool they use
+ * ordering), pin_share.c, prefetch_thread.c, step_wait.c and trace_events.c. The pinned host pool they use
  * has its own header (hostmem.h).
  * Everything here runs under the context lock unless a comment says otherwise.
  *
@@ -84,8 +84,9 @@ struct spw_buf {
     uint64_t id;
     bool managed;    /* managed residency: `host` is the managed allocation */
     bool user_host;  /* host copy is the caller's memory (spw_buf_register_host) */
-    bool registered; /* ... and host_register succeeded (unregister at destroy) */
-    bool pageable;   /* ... and the system refused to pin it (counted in host_pageable) */
+    bool registered; /* ... and this context page-locked it (unregister at destroy) */
+    bool pageable;   /* ... and it is not page-locked: refused by the system or by pin_limit,
+                      * or unlocked by pin_share.c (counted in host_pageable) */
     void *host;
     spw_hblock *hblock; /* host pool block, NULL for the caller's memory and managed */
 
@@ -119,6 +120,7 @@ struct spw_buf {
     bool dev_touched; /* dev_s holds a touch (explicit: always while resident) */
     bool marking;     /* released with its record left to the prefetch worker (dev_rec false) */
     uint64_t rel_step; /* engine step of its last release (step_wait.c) */
+    uint64_t up_step;  /* engine step of its last upload (pin_share.c), 0 before the first */
     bool host_busy;   /* spw_buf_write is filling the host copy with the lock dropped, or the
                        * caller writes it between spw_buf_host_begin and _end (host_open) */
     bool host_open;   /* spw_buf_host_begin .. spw_buf_host_end */
@@ -154,6 +156,8 @@ struct spw_engine {
     struct spw_pf *pf;   /* the prefetch worker (prefetch_thread.c), NULL until first used */
     spw_stream wait_s;   /* step_wait.c: the engine's stream and event for waiting on a step */
     spw_event wait_ev;
+    size_t pinned_user;  /* caller memory this context page-locked (pin_share.c, at most pin_limit) */
+    uint64_t pin_look;   /* the step of pin_share.c's previous look, 0 before the first */
 };
 
 /* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
@@ -171,6 +175,18 @@ void spw__res_collapse_unlink(struct spw_engine *e, spw_buf *b);
 /* Collapse every listed replica whose last device use is complete; called at every engine
  * entry, never blocks. */
 void spw__res_collapse_poll(spw_ctx *ctx);
+
+/* ---- pin_share.c: page-locking caller memory registered as host copies (context lock held) ----
+ * Page-lock b's host copy (a registration of caller memory) within pin_limit; sets `registered`
+ * or `pageable` and the counters. SPW_ERR_STATE: the memory was page-locked already (by the
+ * caller), and b is neither. The failure's message is left for the caller to clear. */
+spw_status spw__pin_register(spw_ctx *ctx, spw_buf *b);
+/* Undo what spw__pin_register did for b (destroy): unlock it, or uncount it as pageable. */
+void spw__pin_forget(spw_ctx *ctx, spw_buf *b);
+/* At a step end: when some registered host copies are pageable, on the steps the schedule names,
+ * move page-locked memory from host copies not uploaded since the previous look to those
+ * uploaded in the step. */
+void spw__pin_rebalance(spw_ctx *ctx);
 
 /* ---- step_wait.c: while the policy times steps (pops->time_steps), spw_step_end waits on the
  * host for the last use of every buffer released in the step. Context lock held; released while

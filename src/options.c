@@ -76,6 +76,14 @@ static const opt_def options[] = {
     {"host_register", OPT_ENUM, "on", "off|on", OFF(host_register),
      "buffers: page-lock caller memory registered as a buffer's host copy; off leaves it pageable "
      "(as a system that refuses to pin it does: copies from it are staged by the driver)"},
+    {"pin_limit", OPT_SIZE, "64TiB", NULL, OFF(pin_limit),
+     "buffers: caller memory registered as host copies that this context page-locks at most; the "
+     "rest stays pageable (page-locked memory is taken from the whole system)"},
+    {"pin_rebalance", OPT_ENUM, "on", "off|on", OFF(pin_rebalance),
+     "buffers: when some registered host copies are pageable (pin_limit, or a system that limits "
+     "pinned memory), give the page-locked memory to the buffers that move, at the ends of steps "
+     "2, 4, 8, 16, 32, 64 and every 64th after: host copies not uploaded since the previous of "
+     "these are unlocked, those uploaded in the step page-locked"},
     {"prefetch_trim", OPT_ENUM, "on", "off|on", OFF(prefetch_trim),
      "a prefetch may return cached device memory to make its room (a trim, which waits for the "
      "device); off declines such a prefetch and leaves the room to the demand load (steps with "

@@ -32,6 +32,8 @@ struct spw_config {
     int prefetch_thread;        /* policy=plan: 1 = the prefetches after an acquire run on a worker */
     int prefetch_trim;          /* 0 = a prefetch whose room needs a trim is declined */
     int host_register;          /* 0 = caller memory registered as a host copy is left pageable */
+    size_t pin_limit;           /* caller memory this context page-locks at most */
+    int pin_rebalance;          /* 1 = page-locked memory goes to the buffers that move (pin_share.c) */
     double grow_ahead;          /* on growth, map this fraction of held bytes beyond the request */
     size_t emu_capacity;
     int emu_link_gbps;          /* emu: simulated copy rate, 0 = memcpy speed */

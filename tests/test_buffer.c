@@ -517,6 +517,72 @@ static void test_register_host_past_the_pin_limit(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* One step of the pin-share pattern: A and B stay on the device, C and D are uploaded and
+ * evicted again; returns the bytes uploaded from pageable host copies during the step. */
+static int64_t pin_share_step(spw_ctx *ctx, spw_buf **r) {
+    spw_stats st;
+    assert_ok(spw_stats_get(ctx, &st));
+    int64_t before = st.h2d_pageable.total;
+    assert_ok(spw_step_begin(ctx));
+    for (int i = 0; i < 4; i++) {
+        void *d;
+        assert_ok(spw_acquire(r[i], NULL, SPW_ACCESS_READ, &d));
+        assert_ok(spw_stream_synchronize(ctx, NULL));
+        assert_int_equal(((uint8_t *)d)[MiB - 1], 20 + i);
+        assert_ok(spw_release(r[i], NULL));
+        if (i >= 2) assert_ok(spw_evict(r[i]));
+    }
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    assert_ok(spw_step_end(ctx));
+    assert_ok(spw_stats_get(ctx, &st));
+    return st.h2d_pageable.total - before;
+}
+
+/* Page-locked memory short (pin_limit, or a system's limit as emu_pin_limit emulates): the host
+ * copies registered first got it, but the buffers that move are others. At the end of step 4
+ * the host copies uploaded in the step are page-locked in place of those idle for two steps,
+ * so from then on no upload reads pageable memory; contents stay whole. */
+static void test_page_locked_memory_goes_to_the_buffers_that_move(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    const char *conf[] = {"budget=8MiB,pin_limit=2MiB", "budget=8MiB,emu_pin_limit=2MiB",
+                          "budget=8MiB,pin_limit=2MiB,pin_rebalance=off"};
+    for (int c = 0; c < 3; c++) {
+        spw_ctx *ctx = test_ctx(conf[c]);
+        uint8_t *mem[4];
+        spw_buf *r[4];
+        for (int i = 0; i < 4; i++) {
+            mem[i] = malloc(MiB);
+            memset(mem[i], 20 + i, MiB);
+            assert_ok(spw_buf_register_host(ctx, mem[i], MiB, SPW_BUF_READ_ONLY, &r[i]));
+            assert_true(r[i]->pageable == (i >= 2));
+        }
+        for (int step = 1; step <= 3; step++) assert_int_equal(pin_share_step(ctx, r), 2 * MiB);
+        assert_int_equal(pin_share_step(ctx, r), 2 * MiB); /* step 4 uploads, then its end moves the locks */
+        spw_stats st;
+        assert_ok(spw_stats_get(ctx, &st));
+        assert_int_equal(st.host_pageable.current, 2 * MiB); /* as many as before, other ones */
+        if (c < 2) {
+            assert_int_equal(st.repins.total, 4);
+            for (int i = 0; i < 4; i++) assert_true(r[i]->pageable == (i < 2));
+            for (int step = 5; step <= 8; step++) assert_int_equal(pin_share_step(ctx, r), 0);
+            /* the unlocked ones are still whole: evicted, they come back from pageable memory */
+            assert_ok(spw_evict(r[0]));
+            check_contents(r[0], 20);
+            assert_int_equal(pin_share_step(ctx, r), MiB);
+        } else {
+            assert_int_equal(st.repins.total, 0);
+            assert_int_equal(pin_share_step(ctx, r), 2 * MiB);
+        }
+        for (int i = 0; i < 4; i++) assert_ok(spw_buf_destroy(r[i]));
+        assert_ok(spw_stats_get(ctx, &st));
+        assert_int_equal(st.host_pageable.current, 0);
+        assert_int_equal(ctx->engine->pinned_user, 0);
+        for (int i = 0; i < 4; i++) free(mem[i]);
+        spw_ctx_destroy(ctx);
+    }
+}
+
 /* Managed residency: same API, budget charged while resident; refused without concurrent
  * managed access with a message naming residency=explicit. */
 static void test_managed(void **state) {
@@ -940,6 +1006,7 @@ int main(void) {
         cmocka_unit_test(test_streaming_calls), cmocka_unit_test(test_release_acquire),
         cmocka_unit_test(test_pressure),       cmocka_unit_test(test_host_pool),
         cmocka_unit_test(test_register_host_past_the_pin_limit),
+        cmocka_unit_test(test_page_locked_memory_goes_to_the_buffers_that_move),
         cmocka_unit_test(test_managed),        cmocka_unit_test(test_managed_read_only),
         cmocka_unit_test(test_destroy_failure_keeps_buffer),
         cmocka_unit_test(test_bad_input),

@@ -42,6 +42,8 @@ STAT_NAMES = (
     "resident_bytes",
     "host_held",
     "host_pageable",
+    "h2d_pageable",
+    "repins",
     "pinned",
     "plan_hits",
     "plan_divergences",

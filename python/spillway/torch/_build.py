@@ -212,14 +212,15 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
 
 
 def _warn_pageable(refused: int, total: int) -> None:
-    """Say so when the system would not page-lock some of the packs (WSL2 limits pinned memory):
+    """Say so when some packs are not page-locked (WSL2 limits pinned memory, pin_limit caps it):
     they stay usable, but a copy from pageable memory is staged by the driver, slower, and holds
-    the calling thread until it is done."""
+    the calling thread until it is done. The library gives the page-locked memory to the packs
+    that move (pin_rebalance), so the cost is what moves beyond it."""
     if refused > 0:
-        warnings.warn(f"spillway: the system would not page-lock {format_size(refused)} of the "
-                      f"{format_size(total)} of offloaded weights; uploads from them run slower "
-                      "and wait on the host (free host memory, or raise the limit on pinned memory)",
-                      stacklevel=4)
+        warnings.warn(f"spillway: {format_size(refused)} of the {format_size(total)} of offloaded weights could "
+                      "not be page-locked (the system's limit on pinned memory, or pin_limit); the page-locked "
+                      "memory goes to the weights that move each step, and uploads of the rest run slower and "
+                      "wait on the host (free host memory, or raise the limit)", stacklevel=4)
 
 
 def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core import Context, format_size
 from ..errors import InvalidArgument
-from . import _alloc
+from . import _alloc, _report
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._offload import Offload
@@ -93,7 +93,8 @@ class Offloads:
             total = sum(u.nbytes for u in o.units)
             lines.append(f"  {n:16} {format_size(total):>11} in {len(o.units)} unit{'s' if len(o.units) != 1 else ''}, "
                          f"{o.steps} steps, {o.hook_stats()['hook_us_median']:.1f} us host time per acquire (median)")
-        lines += ["", self.context.summary()]
+        line = _report.host_copies_line(s, sum(o.steps for o in self.offloads))
+        lines += ([line] if line else []) + ["", self.context.summary()]
         return "\n".join(lines)
 
     def refresh_weights(self) -> None:

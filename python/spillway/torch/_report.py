@@ -21,6 +21,18 @@ def _median_us(hist: List[int]) -> float:
     return (len(hist) - 0.5) * 1.024
 
 
+def host_copies_line(s: Dict[str, Any], steps: int) -> str:
+    """The summary's line on host copies that are not page-locked ("" when there are none):
+    how many bytes, how many a step were uploaded from them, how often the page-locked memory
+    was moved to the weights that move (pin_rebalance)."""
+    if not s["host_pageable"]["current"] and not s["h2d_pageable"]["total"]:
+        return ""
+    return (f"  host copies       {format_size(s['host_pageable']['current'])} not page-locked (refused by the "
+            f"system or pin_limit); {format_size(s['h2d_pageable']['total'] // max(steps, 1))} a step uploaded "
+            f"from them (slower, and waits on the host); page-locking moved to the weights that move "
+            f"({_plural(s['repins']['total'], 'change')})")
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -136,9 +148,9 @@ def summary(off: Any) -> str:
         f"  resident units    {s['buffers_resident']['current']} now, "
         f"{format_size(s['live']['current'])} on the device",
     ]
-    if s["host_pageable"]["current"]:
-        lines.append(f"  host copies       {format_size(s['host_pageable']['current'])} not page-locked (the system "
-                     "refused): uploads from them are slower and wait on the host")
+    line = host_copies_line(s, off.steps)
+    if line:
+        lines.append(line)
     if off.optimizer is not None:
         trained = _train.offloaded_trained(off)
         nb = sum(e.nbytes for e in trained)
