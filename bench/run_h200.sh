@@ -173,6 +173,13 @@ if has pageable; then
   log "workload b, host copies pageable"
   SPILLWAY_CONF=host_register=off pyrun offload-b-pageable 300 bench/peers/torch_offload.py --workload b \
     --variants resident,spillway-plan
+  # page-locked memory short (4 GiB of the 13.5 GiB, as WSL2 may allow): given to the streamed
+  # units by the looks at step ends, against left where the registrations put it
+  for rb in on off; do
+    log "workload b, pin_limit=4GiB, pin_rebalance=$rb"
+    SPILLWAY_CONF=pin_limit=4GiB,pin_rebalance=$rb pyrun offload-b-pin4-$rb 300 bench/peers/torch_offload.py \
+      --workload b --variants spillway-plan
+  done
 fi
 if has pipeline; then
   log "bench/peers/torch_pipeline.py"
