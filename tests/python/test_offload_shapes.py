@@ -628,9 +628,10 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     """A pre-hook runs before the forward that brings the weights; offload() makes it run with
     them brought: weight_norm computes its weight from the device copies of weight_g and
     weight_v (on CUDA, from the host views the forward would get a host tensor), and a
-    pre-hook of the caller's sees the same weight as the forward. After each forward the
-    computed weight is no longer held (on CUDA it would be a device copy outside the budget).
-    remove() gives every hook back."""
+    pre-hook of the caller's sees the same weight as the forward, also one registered after
+    offload(). After each forward the computed weight is no longer held (on CUDA it would be a
+    device copy outside the budget). remove() gives every hook back, and handles made before,
+    during and after the offload remove theirs."""
     torch.manual_seed(0)
     m = nn.Sequential(*[Snake(256) for _ in range(6)], Seen(256, 256, 3, padding=1)).eval().requires_grad_(False)
     m[-1].seen = []
@@ -648,16 +649,17 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     off = spt.offload(m, budget="8MiB", backend="emu", vmm="on")
     host_views = {c.weight_v.data_ptr() for c in m.modules() if id(c) in at_offload}
     seen_v: List[int] = []
-    for c in m.modules():
-        if id(c) in at_offload:
-            c.register_forward_pre_hook(lambda mod, args: seen_v.append(mod.weight_v.data_ptr()))  # after offload: host views
+    late = [c.register_forward_pre_hook(lambda mod, args: seen_v.append(mod.weight_v.data_ptr()))
+            for c in m.modules() if id(c) in at_offload]  # registered after offload()
+    dropped = m[0].conv1.register_forward_pre_hook(lambda mod, args: calls.append("dropped"))
+    dropped.remove()  # a handle made while offloaded removes its hook
     with torch.no_grad():
         out, per_step = run_steps(off, lambda: m(x), steps=4)
     assert torch.equal(out, ref)
     assert per_step >= offloaded_bytes(off) - 8 * MiB, per_step
     assert pre_seen == m[-1].seen and len(pre_seen) == 4  # the pre-hook saw the forward's device copy
     assert len(calls) == 5 and m._forward_pre_hooks[counter.id].__name__ == "<lambda>"
-    assert set(seen_v) == host_views  # hooks registered after offload() see the host views
+    assert len(seen_v) == 4 * len(at_offload) and not set(seen_v) & host_views  # the late ones too
     for c in m.modules():
         if id(c) in at_offload:
             assert c.weight is at_offload[id(c)]  # the computed weight is not kept past the forward
@@ -670,8 +672,12 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     hooks = [h for c in m.modules() for h in c._forward_pre_hooks.values()]
     assert sum(isinstance(h, WeightNorm) for h in hooks) == 12
     assert not any(type(h).__module__.startswith("spillway") for h in hooks)
+    for h in late + [counter]:
+        h.remove()
+    seen_v.clear()
     with torch.no_grad():
         assert torch.equal(m(x), ref)
+    assert not seen_v and len(calls) == 7 and "dropped" not in calls
 
 
 def test_a_pruned_model_and_its_deep_copy_run_as_resident():

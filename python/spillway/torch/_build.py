@@ -117,6 +117,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # finish its update): (object, name, whether it had that attribute, it, ours), for remove()
     off._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []
     off._prehooks: List[Tuple[Any, Any, Any, Any]] = []  # the caller's pre-hooks wrapped (_prehooks)
+    off._prehook_targets: List[Tuple[nn.Module, Any]] = []  # the hooked modules whose pre-hooks get wrapped
+    off._handles_seen = 0  # torch's hook handle counter when they were last looked at (_prehooks.wrap_late)
     off.optimizer_steps = 0
     off.step_evictions = 0  # device copies of units dropped after optimizer steps
     off._edits: Optional[_edits.HostEdits] = None  # the offloaded weights, watched for edits between forwards

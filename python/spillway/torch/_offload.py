@@ -24,8 +24,9 @@ How it works, and the contracts it keeps:
   object itself stays the host view), and each buffer's .data is set to a device tensor
   (buffers keep their identity: modules alias and re-register them). After the forward (also
   when it raises) it puts the Parameters and host views back and releases on the same stream.
-  Forward hooks of the caller's own run outside the wrapper; the pre-hooks present at
-  offload() run with the module's units acquired (_prehooks.py). A deep copy of an offloaded
+  Forward hooks of the caller's own run outside the wrapper; its pre-hooks on the modules below
+  the top level, present at offload() or registered later, run with the module's units acquired
+  (_prehooks.py). A deep copy of an offloaded
   module is a plain module on copies of the host views.
   Acquisitions are counted per unit, so nested and repeated calls are safe. No host
   synchronization on the CUDA path. A parameter that a module replaces during its forward is
@@ -86,7 +87,7 @@ from torch import nn
 from .. import _lib
 from ..errors import StateError, error_for
 from .. import errors as _errors
-from . import _adapters, _added, _alloc, _build, _edits, _parallel, _patch, _report, _train, _views
+from . import _adapters, _added, _alloc, _build, _edits, _parallel, _patch, _prehooks, _report, _train, _views
 from ._errors import OutOfMemoryError, stray_error
 from ._saved import saving
 from ._units import _DevSet, _Unit, _columns, _storage_at
@@ -550,6 +551,8 @@ class Offload:
                 self._recompute.forward_began()
             if self._added:
                 self._take_in_added()
+            if _prehooks.RemovableHandle.next_id != self._handles_seen:  # hooks registered since: wrap the pre-hooks
+                _prehooks.wrap_late(self)
             self._drop_edited()
         except BaseException:
             self._depth = 0

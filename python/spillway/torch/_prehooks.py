@@ -8,7 +8,12 @@ torch raises a device mismatch. So offload() replaces each pre-hook present on a
 below the top level (there, only those three) by an _Acquiring that acquires the module's
 units around it (inside the top-level forward its release is left pending, and the forward's
 own acquire then finds the unit still held: no second C call). Hooks registered after
-offload() are not wrapped and see the host views.
+offload() are wrapped the same way before the next top-level forward (wrap_late): every hook
+registration anywhere takes an id from torch's RemovableHandle counter, so one comparison per
+forward tells whether any was made since the last look, and only then are the hooked modules'
+pre-hook dicts walked. The dicts stay torch's own objects: handles registered before offload()
+still remove their hooks. A hooked module called outside the top-level forward (a pipeline's
+vae.decode) before any top-level forward has run is the one case that does not look first.
 
 The weights these three hooks compute are fresh device tensors stored as plain attributes of
 the module; left there they would keep a device copy of every such weight outside the budget.
@@ -27,6 +32,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 from torch.nn.utils.prune import BasePruningMethod
+from torch.utils.hooks import RemovableHandle
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm  # (torch.nn.utils.weight_norm is the function)
 
@@ -77,6 +83,9 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
     dict, key, the caller's hook, ours) what remove() puts back (_patch.undo). On the top level
     only torch's three: its pre-hooks run before the step begins (_top_forward), where an
     acquire would be outside every step, and a hook there that counts or logs calls is common."""
+    off._prehook_targets = [(m, off._hook_units(off._needs[id(m)])) for m in hooked
+                            if m is not top and off._needs.get(id(m))]
+    off._handles_seen = RemovableHandle.next_id
     for m in hooked if top in hooked else hooked + [top]:
         hooks = m._forward_pre_hooks
         needs = off._needs.get(id(m))
@@ -96,6 +105,22 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
                     computed[name] = m.__dict__[name] = _on_host(m.__dict__[name])
         if computed:
             _restore_after(off, m, computed)
+
+
+def wrap_late(off: Any) -> None:
+    """Wrap the pre-hooks registered on hooked modules below the top level since offload() or
+    the previous call. Called before a top-level forward when torch has made hook handles since
+    the last look (off._handles_seen); an attribute read otherwise."""
+    off._handles_seen = RemovableHandle.next_id
+    for m, units in off._prehook_targets:
+        hooks = m._forward_pre_hooks
+        if not hooks:
+            continue
+        for key, hook in list(hooks.items()):
+            if not isinstance(hook, _Acquiring):
+                ours = _Acquiring(off, m, hook, units)
+                hooks[key] = ours
+                off._prehooks.append((hooks, key, hook, ours))
 
 
 def _on_host(value: Any) -> Any:
