@@ -204,6 +204,48 @@ def run(name: str, build: Callable, inputs: Callable, args) -> Dict[str, object]
     return res
 
 
+def train(name: str, build: Callable, inputs: Callable, args) -> Dict[str, object]:
+    """Full fine-tuning through offload(model, optimizer=opt): a resident twin with
+    torch.optim.AdamW(foreach=False) and the offloaded model with the same optimizer (its update
+    runs in spillway's C AdamW on the host), --steps steps of a mean-square loss on the output;
+    the losses and every parameter after the steps compared."""
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build().train().requires_grad_(True))
+        opts.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-3, foreach=False))
+    (ref, model), (ref_opt, opt) = models, opts
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(total * args.fraction) // (2 * MiB) * (2 * MiB)
+    off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, optimizer=opt, train_on_device=args.train_on_device)
+
+    def loss(m):
+        return sum(o.float().square().mean() for o in flat(m(**inputs(torch.Generator().manual_seed(0)))))
+
+    worst_loss, moved = 0.0, []
+    for _ in range(args.steps):
+        before = off.context.stats()["bytes_h2d"]["total"]
+        ls = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            val = loss(m)
+            val.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            ls.append(float(val))
+        worst_loss = max(worst_loss, abs(ls[1] - ls[0]) / max(abs(ls[0]), 1e-30))
+        moved.append(off.context.stats()["bytes_h2d"]["total"] - before)
+    rel = max(float((p - q).abs().max() / q.abs().max().clamp_min(1e-30))
+              for p, q in zip(model.parameters(), ref.parameters()))
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    res = {"name": name, "MiB": total / MiB, "units": len(off.units), "largest": max(u.nbytes for u in off.units) / MiB,
+           "moved": moved[-1] / MiB, "must": (total - budget) / MiB, "loss": worst_loss, "param": rel, "bitwise": same,
+           "moving": min(moved) >= total - budget}
+    if args.summary:
+        print(off.summary())
+    off.remove()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="cases to run (all by default)")
@@ -214,6 +256,9 @@ def main() -> None:
     ap.add_argument("--summary", action="store_true", help="print each offload's summary")
     ap.add_argument("--layerwise", metavar="DTYPE", help="enable_layerwise_casting with this storage dtype (float16, bfloat16)")
     ap.add_argument("--first-block-cache", type=float, metavar="T", help="enable_cache(FirstBlockCacheConfig(threshold=T))")
+    ap.add_argument("--train", action="store_true", help="full fine-tuning through offload(optimizer=), against resident AdamW")
+    ap.add_argument("--train-on-device", default="auto", type=lambda v: v if v == "auto" else float(v),
+                    help="offload()'s train_on_device with --train")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, emu, budget {args.fraction:.0%} of each model, vmm={args.vmm}, "
           f"{'gradients of the input' if args.grad else 'outputs'} over {args.steps} calls"
@@ -226,13 +271,19 @@ def main() -> None:
         if args.names and name not in args.names:
             continue
         try:
-            res = run(name, build, inputs, args)
+            res = (train if args.train else run)(name, build, inputs, args)
         except Exception as e:  # a case that cannot run here is reported, the rest go on
-            traceback.print_exc(limit=-3)
+            traceback.print_exc(limit=-12)
             res = {"name": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         if "error" in res:
             print(f"{name:16s} {res['error']}")
             failed += "resident" not in res["error"] and "PyTorch version" not in res["error"]
+            continue
+        if args.train:
+            ok = res["loss"] <= 1e-3 and res["param"] <= 1e-5 and res["moving"]
+            failed += not ok
+            print(f"{name:16s} {res['MiB']:7.2f} {res['units']:5d} {res['largest']:8.2f} {res['moved']:7.2f} {res['must']:7.2f} "
+                  f"loss {res['loss']:.1e} param {res['param']:.1e} bitwise {res['bitwise']} moving {res['moving']}")
             continue
         ok = res["bitwise"] and res["moving"] and res["removed"]
         failed += not ok

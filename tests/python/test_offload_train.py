@@ -689,6 +689,62 @@ def test_activations_are_kept_in_the_budget(policy, micro, clip):
     finish(off, m, ref, big_batches(9)[0])
 
 
+class _GEGLU(nn.Module):
+    """A gated feed-forward as diffusion transformers have: its projection's output split in two
+    views whose rows step over each other's columns, both saved for backward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 8 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, gate = self.proj(x).chunk(2, dim=-1)
+        return x + self.out(h * torch.nn.functional.gelu(gate))
+
+
+def test_activations_come_back_in_the_layout_they_were_saved_in():
+    """Backward kernels pick their code path, and so the order of their sums, by the strides of
+    what they read: the chunks of a projection given back contiguous made gradients that
+    differed from resident ones in the last bits, and AdamW turns those into whole steps. The
+    stash keeps the elements and gives backward their strides back: bitwise equal."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(5)
+        return nn.Sequential(*[_GEGLU(128) for _ in range(6)])  # 4.5 MiB
+
+    m, ref = model(), model()
+
+    def batches(step: int) -> List[torch.Tensor]:  # 1 MiB chunks
+        return [torch.randn(2, 256, 128, generator=torch.Generator().manual_seed(200 + step))]
+
+    off = train(m, ref, lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3, foreach=False), batches, mse,
+                budget="4MiB")
+    assert off.stats()["offload"]["activations_stashed"] >= STEPS * 6 * 2  # the two chunks of each layer, at least
+    finish(off, m, ref, batches(9)[0])
+
+
+def test_an_activation_the_budget_has_no_room_for_stays_pytorchs():
+    """An activation larger than what the budget can hold beside the step's weights is left in
+    PyTorch's memory, with one warning, instead of failing the step; so is the one at the same
+    place of every later step. Training stays bitwise equal to resident."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(6)
+        return nn.Sequential(*[_GEGLU(128) for _ in range(3)])  # 2.25 MiB
+
+    m, ref = model(), model()
+
+    def batches(step: int) -> List[torch.Tensor]:  # chunks of 2.34 MiB, in a 2 MiB budget
+        return [torch.randn(2, 600, 128, generator=torch.Generator().manual_seed(300 + step))]
+
+    with pytest.warns(UserWarning, match="does not fit the budget beside the weights"):
+        off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9), batches, mse,
+                    budget="2MiB")
+    h = off.stats()["offload"]
+    assert h["activations_refused"] >= 3 and h["activations_refused"] == len(off._stash_refused)
+    assert "left in PyTorch's memory" in off.summary()
+    finish(off, m, ref, batches(9)[0])
+
+
 class _Checkpointed(nn.Module):
     """A block run under torch.utils.checkpoint: backward calls it again (the recomputation)."""
 

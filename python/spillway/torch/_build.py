@@ -109,6 +109,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off.c_steps = 0
     off.activations_stashed = 0
     off.activation_bytes = 0
+    off.activations_refused = 0  # stashes the budget had no room for (_saved.stash)
+    off._stash_refused: Set[int] = set()  # their places in the step: kept out of the stash from then on
     off._train = optimizer is not None
     # gradients of the trained host Parameters on their way from the device (ToHost)
     off._landing: Optional[_train.GradLanding] = _train.GradLanding(dev) if off._train else None

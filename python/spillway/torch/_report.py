@@ -47,6 +47,7 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     a module's own .to(dtype=) does in layerwise casting), steps,
     saved_packed/saved_reacquires (tensors saved for backward and their re-acquires),
     activations_stashed/activation_bytes (activations kept in buffers of the context),
+    activations_refused (activations the budget had no room for, left in PyTorch's memory),
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
@@ -68,6 +69,7 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "outputs_cloned": off.outputs_cloned,
         "activations_stashed": off.activations_stashed,
         "activation_bytes": off.activation_bytes,
+        "activations_refused": off.activations_refused,  # stashes the budget had no room for
         "optimizer_steps": off.optimizer_steps,
         "step_evictions": off.step_evictions,
         "edit_evictions": off.edit_evictions,  # device copies dropped: their host copies were edited
@@ -175,7 +177,9 @@ def summary(off: Any) -> str:
                      f"backward, {r.kept} kept their activations")
     if off._stash_min is not None:
         lines.append(f"  activations       {off.activations_stashed} saved for backward kept in the budget, "
-                     f"{format_size(off.activation_bytes)} in all (tensors of {format_size(off._stash_min)} or more)")
+                     f"{format_size(off.activation_bytes)} in all (tensors of {format_size(off._stash_min)} or more)"
+                     + (f"; {off.activations_refused} without room there, left in PyTorch's memory"
+                        if off.activations_refused else ""))
     if off._trainable:
         nb = sum(p.numel() * p.element_size() for _, p in off._trainable)
         shown = ", ".join(n for n, _ in off._trainable[:6]) + (" ..." if len(off._trainable) > 6 else "")

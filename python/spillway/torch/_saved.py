@@ -19,13 +19,16 @@ may keep it past the unit's release.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .. import _lib
+from ..core import format_size
 from ..errors import StateError, error_for
+from ._errors import OutOfMemoryError
 from ._units import _Unit, _storage_at
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,12 +87,13 @@ class _Stashed:
     a buffer and its device block are made once, not per step (a new device block at the budget
     would take a trim, which waits for the device)."""
 
-    __slots__ = ("buf", "dtype", "size", "owner", "__weakref__")
+    __slots__ = ("buf", "dtype", "size", "layout", "owner", "__weakref__")
 
-    def __init__(self, buf: Any, t: torch.Tensor, owner: "Offload") -> None:
+    def __init__(self, buf: Any, t: torch.Tensor, layout: Optional["_Layout"], owner: "Offload") -> None:
         self.buf = buf
         self.dtype = t.dtype
         self.size = tuple(t.size())
+        self.layout = layout
         self.owner = weakref.ref(owner)  # a removed Offload keeps no spares: the buffer is closed
 
     def __del__(self) -> None:
@@ -233,9 +237,52 @@ def rebuild(off: "Offload", s: _Saved) -> torch.Tensor:
 
 def _stashable(off: "Offload", t: torch.Tensor) -> bool:
     """An activation worth a buffer: on the offload's device, at least off._stash_min bytes, not
-    a parameter or another leaf that requires grad (the caller's own tensors)."""
+    a parameter or another leaf that requires grad (the caller's own tensors), nor a view of one
+    (a linear layer saves its weight transposed: a copy in the budget would hold it twice)."""
+    base = t._base if t._base is not None else t
     return (t.device.type == off.device.type and t.numel() * t.element_size() >= off._stash_min
-            and not (t.is_leaf and t.requires_grad) and not isinstance(t, torch.nn.Parameter))
+            and not (base.is_leaf and base.requires_grad) and not isinstance(base, torch.nn.Parameter))
+
+
+_ALIGN = 256  # bytes: the widest alignment a kernel's choice of code path depends on
+
+
+class _Layout:
+    """How a stashed activation lay in memory, to give backward the same: its strides, the
+    elements its strides span from its first one, and its first element's offset from an
+    _ALIGN boundary (in elements). Backward kernels pick their code path, and so the order of
+    their sums, by strides (and may by alignment): a transposed activation, or one chunk of a
+    projection's output, given back contiguous makes gradients that differ from resident ones in
+    the last bits. The stash holds the elements alone, contiguous; the layout is rebuilt when
+    backward reads it, in a fresh tensor of `span` elements (as the resident one's storage is)."""
+
+    __slots__ = ("stride", "span", "pad")
+
+    def __init__(self, stride: Tuple[int, ...], span: int, pad: int) -> None:
+        self.stride, self.span, self.pad = stride, span, pad
+
+
+def _layout_of(t: torch.Tensor) -> Optional[_Layout]:
+    """t's layout, or None where the contiguous one is the same (contiguous, on an _ALIGN
+    boundary) or cannot be rebuilt cheaply: elements that overlap (an expanded tensor), negative
+    strides, or strides that span more than four times its elements (a thin slice of a larger
+    tensor)."""
+    size, stride, esize = t.size(), t.stride(), t.element_size()
+    ptr = t.data_ptr()
+    pad = (ptr % _ALIGN) // esize if ptr % esize == 0 else 0
+    if t.is_contiguous() and not pad:
+        return None
+    if t.numel() == 0:
+        return None
+    extent = 1  # non-overlapping: each dimension, by stride, steps past all those below it
+    for st, n in sorted((st, n) for n, st in zip(size, stride) if n > 1):
+        if st < extent:
+            return None
+        extent = st * (n - 1) + extent
+    span = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+    if any(st < 0 for st in stride) or span > 4 * t.numel():
+        return None
+    return _Layout(tuple(stride), span, pad)
 
 
 def _stash_buffer(off: "Offload", nbytes: int) -> Any:
@@ -262,14 +309,32 @@ def _stash_buffer(off: "Offload", nbytes: int) -> Any:
     return buf
 
 
-def stash(off: "Offload", t: torch.Tensor) -> _Stashed:
+def stash(off: "Offload", t: torch.Tensor) -> Any:
     """t copied (device to device, in stream order) into a buffer of off's context, a spare one
     of its size where there is one: the engine then keeps it, or writes it back to the host,
-    under the one budget."""
+    under the one budget. Where the budget cannot hold it beside what the step holds at once
+    (a budget about the size of a unit, or its room cut in pieces), t itself: it stays in
+    PyTorch's memory, as without the stash, and so does the activation at the same place of
+    every later step (each refusal first evicts every buffer that can go)."""
+    i = off._stash_next
+    if i in off._stash_refused:
+        off._stash_next = i + 1
+        return t
+    layout = _layout_of(t)
     nbytes = t.numel() * t.element_size()
-    rec = _Stashed(_stash_buffer(off, nbytes), t, off)
+    rec = _Stashed(_stash_buffer(off, nbytes), t, layout, off)
     stream = off._stream()
-    ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
+    try:
+        ptr = off._acquire_raw(rec.buf, stream, _lib.ACCESS_WRITE)
+    except OutOfMemoryError:
+        off._stash_refused.add(i)
+        off.activations_refused += 1
+        if len(off._stash_refused) == 1:
+            warnings.warn(f"spillway: an activation saved for backward ({format_size(nbytes)}) does not fit the "
+                          "budget beside the weights the step holds at once; it and any other such stay in "
+                          "PyTorch's memory, outside the budget (raise the budget, or pass recompute=True)",
+                          stacklevel=2)
+        return t  # rec goes: its buffer returns to the spares
     try:
         dev = torch.empty(0, dtype=t.dtype, device=off.device).set_(_storage_at(ptr, nbytes, off.device), 0, rec.size)
         with torch.no_grad():
@@ -289,4 +354,21 @@ def unstash(off: "Offload", s: _Stashed) -> torch.Tensor:
     if off._closed:
         raise StateError("spillway.torch: backward needs activations kept by an Offload that was removed; "
                          "run backward before remove()")
-    return _copy_out(off, s.buf, s.buf.size, s.dtype, s.size)
+    lay = s.layout
+    if lay is None:
+        return _copy_out(off, s.buf, s.buf.size, s.dtype, s.size)
+    # its layout rebuilt: a fresh storage of lay.span elements, its first one at the offset from
+    # an _ALIGN boundary it had, filled from the buffer through a view of its strides
+    esize = torch.empty(0, dtype=s.dtype).element_size()
+    out = torch.empty(lay.span + lay.pad + _ALIGN // esize, dtype=s.dtype, device=off.device)
+    at = lay.pad + (-out.data_ptr() % _ALIGN) // esize
+    view = out.as_strided(s.size, lay.stride, at)
+    stream = off._stream()
+    ptr = off._acquire_raw(s.buf, stream)
+    try:
+        view.copy_(torch.empty(0, dtype=s.dtype, device=off.device).set_(_storage_at(ptr, s.buf.size, off.device), 0, s.size))
+    finally:
+        st = off._c_release(s.buf.handle, stream)
+    if st:
+        raise error_for(st)
+    return view
