@@ -184,3 +184,46 @@ def test_train_offloaded_decoder_on_the_device(case):
         assert rel(a.float(), b.float()) <= max(tol, 1e-3) if tol else torch.equal(a, b)
     off.remove()
     assert all(p.device.type == "cpu" for p in m.parameters())
+
+
+class _GEGLU(nn.Module):
+    """A gated feed-forward (diffusion transformers): its projection's output split in two views
+    whose rows step over each other's columns, both saved for backward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 8 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, gate = self.proj(x).chunk(2, dim=-1)
+        return x + self.out(h * nn.functional.gelu(gate))
+
+
+def test_stashed_activations_come_back_in_their_layout_on_the_device():
+    """Chunks of a projection saved for backward and kept in the budget come back with their
+    strides (_saved._Layout): gradients and parameters bitwise the reference's at every step,
+    where cuBLAS given them contiguous may sum in another order."""
+    torch.manual_seed(5)
+    m = nn.Sequential(*[_GEGLU(256) for _ in range(6)]).train()  # 18 MiB
+    ref = copy.deepcopy(m).to(DEV)
+    master = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+    opt_ref = torch.optim.AdamW(master.parameters(), lr=1e-3, foreach=False)
+    off = spt.offload(m, budget="8MiB", optimizer=opt, host_update="torch", train_on_device=0, **CUDA)
+    for step in range(STEPS):
+        x = torch.randn(2, 256, 256, generator=torch.Generator().manual_seed(300 + step)).to(DEV)  # 2 MiB chunks
+        loss = moved(off, lambda: m(x).square().mean())
+        want = ref(x).square().mean()
+        assert torch.equal(loss.cpu(), want.cpu()), step
+        loss.backward()
+        want.backward()
+        for (n, p), (_, q), (_, h) in zip(m.named_parameters(), ref.named_parameters(), master.named_parameters()):
+            assert torch.equal(p.grad, q.grad.cpu()), (step, n)
+            h.grad = q.grad.cpu()
+        opt.step()
+        opt_ref.step()
+        sync_reference(ref, master, opt, opt_ref)
+        close_params(m, ref, 0)
+    assert off.stats()["offload"]["activations_stashed"] >= STEPS * 12
+    off.remove()
