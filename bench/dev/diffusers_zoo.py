@@ -217,7 +217,8 @@ def train(name: str, build: Callable, inputs: Callable, args) -> Dict[str, objec
     (ref, model), (ref_opt, opt) = models, opts
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(total * args.fraction) // (2 * MiB) * (2 * MiB)
-    off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, optimizer=opt, train_on_device=args.train_on_device)
+    off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, optimizer=opt, train_on_device=args.train_on_device,
+                      recompute=args.recompute)
 
     def loss(m):
         return sum(o.float().square().mean() for o in flat(m(**inputs(torch.Generator().manual_seed(0)))))
@@ -259,6 +260,8 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="full fine-tuning through offload(optimizer=), against resident AdamW")
     ap.add_argument("--train-on-device", default="auto", type=lambda v: v if v == "auto" else float(v),
                     help="offload()'s train_on_device with --train")
+    ap.add_argument("--recompute", default=False, type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
+                    help="offload()'s recompute with --train (true, auto)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, emu, budget {args.fraction:.0%} of each model, vmm={args.vmm}, "
           f"{'gradients of the input' if args.grad else 'outputs'} over {args.steps} calls"
