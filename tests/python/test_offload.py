@@ -1332,6 +1332,65 @@ def test_forwards_from_several_threads_run_one_at_a_time(call):
     off.remove()
 
 
+class _Pausing(nn.Module):
+    """A block whose forward lets a test act while the model's forward is under way."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.inside = None  # (threading.Event set on entry, threading.Event waited on)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inside is not None:
+            entered, go_on = self.inside
+            entered.set()
+            go_on.wait(0.5)  # the other thread's submodule call, if it does not wait, ends first
+        return torch.tanh(self.lin(x))
+
+
+def test_a_submodule_called_from_another_thread_waits_for_the_forward_under_way():
+    """One thread runs the whole model while another calls one of its blocks directly: the
+    block's call takes its turn after the forward, as a call outside a forward always did; it
+    does not run inside the other thread's forward, sharing its parameter slots and its pending
+    release. Both outputs equal resident's."""
+    import threading
+    import time as _time
+    torch.manual_seed(0)
+    m = frozen(nn.Sequential(*[_Pausing(512) for _ in range(8)]))
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="2MiB", **EMU)
+    x, y = torch.randn(4, 512), torch.randn(4, 512)
+    with torch.no_grad():
+        want_x, want_y = ref(x), ref[5](y)
+    entered, go_on = threading.Event(), threading.Event()
+    m[2].inside = (entered, go_on)
+    done, out = {}, {}
+
+    def whole() -> None:
+        with torch.no_grad():
+            out["x"] = m(x)
+        done["whole"] = _time.monotonic()
+
+    def block() -> None:
+        entered.wait(5)
+        with torch.no_grad():
+            out["y"] = m[5](y)
+        done["block"] = _time.monotonic()
+        go_on.set()
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=block)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    m[2].inside = None
+    assert done["block"] >= done["whole"]  # it waited for the forward under way
+    assert torch.equal(out["x"], want_x) and torch.equal(out["y"], want_y)
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), want_x)
+    off.remove()
+
+
 def test_weights_the_system_will_not_page_lock_still_offload_and_are_reported():
     """A system that limits pinned memory (WSL2; emu_pin_limit here) refuses to page-lock some
     packs: offload() warns with the bytes, the summary says so, and the model still runs from

@@ -17,6 +17,7 @@ returns gets a top-level forward of its own (follow_unloads), so that its forwar
 plan's steps as the offloaded module's were."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Iterable, List
 
@@ -91,9 +92,11 @@ def _standing_by(off: Any, module: nn.Module, inner: Any, units: List[_Unit]) ->
         if mod is not module:
             return _patch.copied_forward(mod, args, kwargs)
         need = inner_units if off._depth else every
+        if off._depth and off._owner != threading.get_ident():  # another thread runs the forward
+            return off._units_call(inner, every, inner_units, args, kwargs, time.perf_counter_ns())
         for u in need:
             if not u.refs:
-                return off._units_call(inner, need, args, kwargs, time.perf_counter_ns())
+                return off._units_call(inner, every, inner_units, args, kwargs, time.perf_counter_ns())
         return inner(*args, **kwargs)  # its adapter layer holds the units
     return forward
 

@@ -138,6 +138,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._explicit_steps = 0
     off._depth = 0
     off._lock = threading.RLock()  # held by the thread running a forward (_top_forward, _units_call)
+    off._owner = 0  # the thread running the top-level forward (threading.get_ident), while _depth
     off._saved_hooks: Optional[Any] = None
     off._devptr = ctypes.c_void_p()
     off._devptr_ref = ctypes.byref(off._devptr)

@@ -78,6 +78,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -367,14 +368,15 @@ class Offload:
         clock = time.perf_counter_ns
         tensor = torch.Tensor
         hist = self._hook_hist
+        get_ident = threading.get_ident
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if mod is not module:
                 return _patch.copied_forward(mod, args, kwargs)
             t0 = clock()
             u = one
-            if u is None or u.refs or not self._depth:
-                return self._units_call(inner, inner_units if self._depth else every, args, kwargs, t0)
+            if u is None or u.refs or not self._depth or self._owner != get_ident():
+                return self._units_call(inner, every, inner_units, args, kwargs, t0)
             stream = raw_stream(dev_index) or None
             p = self._pend
             if p is None:
@@ -440,21 +442,26 @@ class Offload:
             general path (_acquire swaps in _train.ToHost aliases, and waits for the update);
             otherwise the common case above."""
             if mod is module and (grad_enabled() or self._update is not None):
-                return self._units_call(inner, inner_units if self._depth else every, args, kwargs, clock())
+                return self._units_call(inner, every, inner_units, args, kwargs, clock())
             return fast(mod, *args, **kwargs)
 
         return trained_forward
 
-    def _units_call(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
-        """inner(*args, **kwargs) with units acquired around it, in general: any number of
-        units, nested or repeated calls, or a module called outside the top-level forward (or
-        through a reference to the wrapper kept past remove(): then inner alone)."""
+    def _units_call(self, inner: Any, every: Tuple[_Unit, ...], inner_units: Tuple[_Unit, ...], args: Any,
+                    kwargs: Any, t0: int) -> Any:
+        """inner(*args, **kwargs) with a hook's units acquired around it (_hook_units: every
+        one, or inside the top-level forward those it does not hold), in general: any number
+        of units, nested or repeated calls, a module called outside the top-level forward or
+        from another thread than the one running it (or through a reference to the wrapper
+        kept past remove(): then inner alone)."""
         if self._closed:
             return inner(*args, **kwargs)
-        if not self._depth:  # outside the top-level forward: one caller at a time (_top_forward)
-            with self._lock:
-                return self._units_call_locked(inner, units, args, kwargs, t0)
-        return self._units_call_locked(inner, units, args, kwargs, t0)
+        if self._depth and self._owner == threading.get_ident():
+            return self._units_call_locked(inner, inner_units, args, kwargs, t0)
+        # outside the top-level forward, or on a thread other than the one running it: one
+        # caller at a time (_top_forward holds the lock for its whole forward)
+        with self._lock:
+            return self._units_call_locked(inner, inner_units if self._depth else every, args, kwargs, t0)
 
     def _units_call_locked(self, inner: Any, units: Tuple[_Unit, ...], args: Any, kwargs: Any, t0: int) -> Any:
         if self._added and not self._depth:
@@ -542,6 +549,7 @@ class Offload:
         if self._depth:  # the top module calling itself: one step already open
             return inner(*args, **kwargs)
         self._depth = 1
+        self._owner = threading.get_ident()
         auto_step = not self._explicit_steps
         grad = torch.is_grad_enabled()
         try:

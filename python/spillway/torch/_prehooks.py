@@ -52,7 +52,7 @@ class _Acquiring:
         if mod is not self.module or off._closed:
             return self.hook(mod, *args)
         every, inner = self.units
-        return off._units_call(self.hook, inner if off._depth else every, (mod,) + args, {}, time.perf_counter_ns())
+        return off._units_call(self.hook, every, inner, (mod,) + args, {}, time.perf_counter_ns())
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
         """A deep copy of the module is a plain module (_patch.copied_forward): its hook is the
