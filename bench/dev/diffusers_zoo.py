@@ -204,6 +204,31 @@ def run(name: str, build: Callable, inputs: Callable, args) -> Dict[str, object]
     return res
 
 
+class _LoRA(torch.nn.Module):
+    """A low-rank adapter around a frozen linear layer, as peft's LoRA layers are (peft is not
+    on Debian): base(x) + up(down(x)) * scale, down and up trainable."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.down = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.up = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.up.weight, std=1e-3)  # not zero: both factors get gradients from the first step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.up(self.down(x)) * 0.5
+
+
+def add_adapters(model: torch.nn.Module) -> None:
+    """The base frozen; an adapter on every linear layer of 64 features or more each way."""
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and min(child.in_features, child.out_features) >= 64:
+                setattr(parent, child_name, _LoRA(child))
+
+
 def train(name: str, build: Callable, inputs: Callable, args) -> Dict[str, object]:
     """Full fine-tuning through offload(model, optimizer=opt): a resident twin with
     torch.optim.AdamW(foreach=False) and the offloaded model with the same optimizer (its update
@@ -213,12 +238,18 @@ def train(name: str, build: Callable, inputs: Callable, args) -> Dict[str, objec
     for _ in range(2):
         torch.manual_seed(0)
         models.append(build().train().requires_grad_(True))
-        opts.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-3, foreach=False))
+        if args.lora:
+            add_adapters(models[-1])
+        opts.append(torch.optim.AdamW([p for p in models[-1].parameters() if p.requires_grad], lr=1e-3, foreach=False))
     (ref, model), (ref_opt, opt) = models, opts
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    total = sum(p.numel() * p.element_size() for p in (frozen if args.lora else model.parameters()))
     budget = int(total * args.fraction) // (2 * MiB) * (2 * MiB)
-    off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, optimizer=opt, train_on_device=args.train_on_device,
-                      recompute=args.recompute)
+    if args.lora:  # the README's recipe: the base streams, the adapters stay on the device, opt as it is
+        off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, recompute=args.recompute)
+    else:
+        off = spt.offload(model, budget=budget, backend="emu", vmm=args.vmm, optimizer=opt,
+                          train_on_device=args.train_on_device, recompute=args.recompute)
 
     def loss(m):
         return sum(o.float().square().mean() for o in flat(m(**inputs(torch.Generator().manual_seed(0)))))
@@ -260,6 +291,7 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="full fine-tuning through offload(optimizer=), against resident AdamW")
     ap.add_argument("--train-on-device", default="auto", type=lambda v: v if v == "auto" else float(v),
                     help="offload()'s train_on_device with --train")
+    ap.add_argument("--lora", action="store_true", help="with --train: a frozen base with low-rank adapters on its linear layers")
     ap.add_argument("--recompute", default=False, type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
                     help="offload()'s recompute with --train (true, auto)")
     args = ap.parse_args()
