@@ -152,6 +152,15 @@ def equal(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _cast(inputs: Callable, dtype: torch.dtype) -> Callable:
+    """inputs() with its floating-point tensors (nested in dicts too) in dtype."""
+    def conv(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(dtype)
+        return {k: conv(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return lambda g: conv(inputs(g))
+
+
 def prepare(model, args) -> None:
     """diffusers' own hooks on the model, as a user enables them before offload()."""
     if args.layerwise:
@@ -178,8 +187,10 @@ def run(name: str, build: Callable, inputs: Callable, args) -> Dict[str, object]
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(build().eval().requires_grad_(False))
+        models.append(build().eval().requires_grad_(False).to(getattr(torch, args.dtype)))
         prepare(models[-1], args)
+    if args.dtype != "float32":
+        inputs = _cast(inputs, getattr(torch, args.dtype))
     ref, model = models
     if not equal(call(ref, inputs, args, 0), call(model, inputs, args, 0)):
         return {"name": name, "error": "resident runs differ"}
@@ -286,6 +297,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.4, help="budget as a fraction of the model's bytes")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--summary", action="store_true", help="print each offload's summary")
+    ap.add_argument("--dtype", default="float32", help="the models' and inputs' dtype for the forward runs (bfloat16)")
     ap.add_argument("--layerwise", metavar="DTYPE", help="enable_layerwise_casting with this storage dtype (float16, bfloat16)")
     ap.add_argument("--first-block-cache", type=float, metavar="T", help="enable_cache(FirstBlockCacheConfig(threshold=T))")
     ap.add_argument("--train", action="store_true", help="full fine-tuning through offload(optimizer=), against resident AdamW")
