@@ -249,17 +249,17 @@ _ALIGN = 256  # bytes: the widest alignment a kernel's choice of code path depen
 
 class _Layout:
     """How a stashed activation lay in memory, to give backward the same: its strides, the
-    elements its strides span from its first one, and its first element's offset from an
-    _ALIGN boundary (in elements). Backward kernels pick their code path, and so the order of
+    elements its strides span from its first one, its first element's offset from an _ALIGN
+    boundary (in elements), and its element size. Backward kernels pick their code path, and so the order of
     their sums, by strides (and may by alignment): a transposed activation, or one chunk of a
     projection's output, given back contiguous makes gradients that differ from resident ones in
     the last bits. The stash holds the elements alone, contiguous; the layout is rebuilt when
     backward reads it, in a fresh tensor of `span` elements (as the resident one's storage is)."""
 
-    __slots__ = ("stride", "span", "pad")
+    __slots__ = ("stride", "span", "pad", "esize")
 
-    def __init__(self, stride: Tuple[int, ...], span: int, pad: int) -> None:
-        self.stride, self.span, self.pad = stride, span, pad
+    def __init__(self, stride: Tuple[int, ...], span: int, pad: int, esize: int) -> None:
+        self.stride, self.span, self.pad, self.esize = stride, span, pad, esize
 
 
 def _layout_of(t: torch.Tensor) -> Optional[_Layout]:
@@ -282,7 +282,7 @@ def _layout_of(t: torch.Tensor) -> Optional[_Layout]:
     span = 1 + sum((n - 1) * st for n, st in zip(size, stride))
     if any(st < 0 for st in stride) or span > 4 * t.numel():
         return None
-    return _Layout(tuple(stride), span, pad)
+    return _Layout(tuple(stride), span, pad, esize)
 
 
 def _stash_buffer(off: "Offload", nbytes: int) -> Any:
@@ -359,7 +359,7 @@ def unstash(off: "Offload", s: _Stashed) -> torch.Tensor:
         return _copy_out(off, s.buf, s.buf.size, s.dtype, s.size)
     # its layout rebuilt: a fresh storage of lay.span elements, its first one at the offset from
     # an _ALIGN boundary it had, filled from the buffer through a view of its strides
-    esize = torch.empty(0, dtype=s.dtype).element_size()
+    esize = lay.esize
     out = torch.empty(lay.span + lay.pad + _ALIGN // esize, dtype=s.dtype, device=off.device)
     at = lay.pad + (-out.data_ptr() % _ALIGN) // esize
     view = out.as_strided(s.size, lay.stride, at)
