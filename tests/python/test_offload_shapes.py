@@ -680,6 +680,29 @@ def test_weight_norm_and_the_callers_pre_hooks_see_the_device_copies():
     assert not seen_v and len(calls) == 7 and "dropped" not in calls
 
 
+def test_weight_norm_inside_a_unit_keeps_no_computed_weight():
+    """Weight-normed convolutions small enough to share a unit with their block (diffusers'
+    Oobleck VAE): the block's hook brings them, their pre-hooks compute from the device copies,
+    and after each forward no computed weight is held (on CUDA each would be a device copy of
+    its weight outside the budget, the whole model's worth)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Snake(128) for _ in range(12)]).eval().requires_grad_(False)  # 6.3 MiB
+    x = torch.randn(2, 128, 64)
+    with torch.no_grad():
+        ref = m(x)
+    convs = [c for c in m.modules() if isinstance(c, nn.Conv1d)]
+    off = spt.offload(m, budget="4MiB", backend="emu", vmm="on")
+    assert not any(id(c) in off._needs for c in convs)  # inside their blocks' units, not hooked themselves
+    at_offload = {id(c): c.weight for c in convs}
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=3)
+    assert torch.equal(out, ref) and per_step >= offloaded_bytes(off) - 4 * MiB
+    assert all(c.weight is at_offload[id(c)] for c in convs)
+    off.remove()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+
+
 def test_a_pruned_model_and_its_deep_copy_run_as_resident():
     """prune's pre-hook computes weight = weight_orig * weight_mask from the device copies; a deep
     copy of the offloaded model is a plain model whose hooks are the caller's."""

@@ -19,7 +19,9 @@ The weights these three hooks compute are fresh device tensors stored as plain a
 the module; left there they would keep a device copy of every such weight outside the budget.
 The forward of such a module is wrapped once more so that, after it, the attribute holds again
 what it held at offload(), on the CPU (a copy made then if it was on the device: computed by a
-forward before offload()). Between forwards the attribute is stale, as it is after
+forward before offload()). So is the forward of such a module that is not hooked itself but
+lies inside a hooked one's unit (a block of weight-normed convolutions that is one unit): its
+pre-hook runs with the block's units acquired already, and only the restore is needed. Between forwards the attribute is stale, as it is after
 load_state_dict on a resident model until its next forward.
 
 remove() puts the caller's hooks back where ours still stand."""
@@ -104,6 +106,28 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
                 if name in m.__dict__:
                     computed[name] = m.__dict__[name] = _on_host(m.__dict__[name])
         if computed:
+            _restore_after(off, m, computed)
+    _restore_inside(off, top, hooked)
+
+
+def _restore_inside(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
+    """The modules that are not hooked themselves but lie inside a hooked module's unit (a
+    block whose weight-normed convolutions are one unit with it): their pre-hooks already run
+    with the units acquired, by the block's hook, but what torch's three compute there would
+    stay on the device after the forward, a copy of each such weight outside the budget. So
+    their forward is wrapped to restore it, as a hooked module's is."""
+    offloaded = {id(e.tensor) for u in off.units for e in u.entries}
+    seen = {id(m) for m in hooked} | {id(top)}
+    for m in top.modules():
+        if id(m) in seen or not m._forward_pre_hooks:
+            continue
+        seen.add(id(m))
+        if not any(id(p) in offloaded for p in m._parameters.values() if p is not None):
+            continue
+        computed = {name: _on_host(m.__dict__[name]) for hook in m._forward_pre_hooks.values()
+                    for name in _computed(hook) if name in m.__dict__}
+        if computed:
+            m.__dict__.update(computed)
             _restore_after(off, m, computed)
 
 
