@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import make_decoder, moved, offloaded_bytes, sync_reference  # noqa: E402
+from models import GEGLU, make_decoder, moved, offloaded_bytes, sync_reference  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 CUDA = dict(backend="cuda")
@@ -186,26 +186,12 @@ def test_train_offloaded_decoder_on_the_device(case):
     assert all(p.device.type == "cpu" for p in m.parameters())
 
 
-class _GEGLU(nn.Module):
-    """A gated feed-forward (diffusion transformers): its projection's output split in two views
-    whose rows step over each other's columns, both saved for backward."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, 8 * dim)
-        self.out = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, gate = self.proj(x).chunk(2, dim=-1)
-        return x + self.out(h * nn.functional.gelu(gate))
-
-
 def test_stashed_activations_come_back_in_their_layout_on_the_device():
     """Chunks of a projection saved for backward and kept in the budget come back with their
     strides (_saved._Layout): gradients and parameters bitwise the reference's at every step,
     where cuBLAS given them contiguous may sum in another order."""
     torch.manual_seed(5)
-    m = nn.Sequential(*[_GEGLU(256) for _ in range(6)]).train()  # 18 MiB
+    m = nn.Sequential(*[GEGLU(256) for _ in range(6)]).train()  # 18 MiB
     ref = copy.deepcopy(m).to(DEV)
     master = copy.deepcopy(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)

@@ -138,6 +138,20 @@ class WithAdapter(nn.Module):
         return x if self.adapter is None else x + self.adapter(x)
 
 
+class GEGLU(nn.Module):
+    """A gated feed-forward, as diffusion transformers have: its projection's output split in two
+    views whose rows step over each other's columns, both saved for backward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 8 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, gate = self.proj(x).chunk(2, dim=-1)
+        return x + self.out(h * F.gelu(gate))
+
+
 def greedy(model, ids: torch.Tensor, steps: int):
     """A KV-cache generation loop: the prompt, then one token per forward."""
     logits, caches = model(ids)

@@ -15,7 +15,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
-from models import fail_at_call, make_decoder, moved, offloaded_bytes, step_pair
+from models import GEGLU, fail_at_call, make_decoder, moved, offloaded_bytes, step_pair
 
 EMU = dict(backend="emu")
 STEPS = 5
@@ -689,20 +689,6 @@ def test_activations_are_kept_in_the_budget(policy, micro, clip):
     finish(off, m, ref, big_batches(9)[0])
 
 
-class _GEGLU(nn.Module):
-    """A gated feed-forward as diffusion transformers have: its projection's output split in two
-    views whose rows step over each other's columns, both saved for backward."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, 8 * dim)
-        self.out = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, gate = self.proj(x).chunk(2, dim=-1)
-        return x + self.out(h * torch.nn.functional.gelu(gate))
-
-
 def test_activations_come_back_in_the_layout_they_were_saved_in():
     """Backward kernels pick their code path, and so the order of their sums, by the strides of
     what they read: the chunks of a projection given back contiguous made gradients that
@@ -710,7 +696,7 @@ def test_activations_come_back_in_the_layout_they_were_saved_in():
     stash keeps the elements and gives backward their strides back: bitwise equal."""
     def model() -> nn.Sequential:
         torch.manual_seed(5)
-        return nn.Sequential(*[_GEGLU(128) for _ in range(6)])  # 4.5 MiB
+        return nn.Sequential(*[GEGLU(128) for _ in range(6)])  # 4.5 MiB
 
     m, ref = model(), model()
 
@@ -729,7 +715,7 @@ def test_an_activation_the_budget_has_no_room_for_stays_pytorchs():
     place of every later step. Training stays bitwise equal to resident."""
     def model() -> nn.Sequential:
         torch.manual_seed(6)
-        return nn.Sequential(*[_GEGLU(128) for _ in range(3)])  # 2.25 MiB
+        return nn.Sequential(*[GEGLU(128) for _ in range(3)])  # 2.25 MiB
 
     m, ref = model(), model()
 

@@ -88,26 +88,32 @@ def wrap(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
     off._prehook_targets = [(m, off._hook_units(off._needs[id(m)])) for m in hooked
                             if m is not top and off._needs.get(id(m))]
     off._handles_seen = RemovableHandle.next_id
-    for m in hooked if top in hooked else hooked + [top]:
-        hooks = m._forward_pre_hooks
-        needs = off._needs.get(id(m))
-        if not hooks or not needs:
-            continue
-        units = off._hook_units(needs)
-        computed: Dict[str, Any] = {}
-        for key, hook in list(hooks.items()):
-            names = _computed(hook)
-            if m is top and not names:
-                continue
-            ours = _Acquiring(off, m, hook, units)
-            hooks[key] = ours
-            off._prehooks.append((hooks, key, hook, ours))
-            for name in names:
-                if name in m.__dict__:
-                    computed[name] = m.__dict__[name] = _on_host(m.__dict__[name])
-        if computed:
-            _restore_after(off, m, computed)
+    top_needs = off._needs.get(id(top))
+    for m, units in off._prehook_targets + ([(top, off._hook_units(top_needs))] if top_needs else []):
+        names: List[str] = []
+        for key, hook in list(m._forward_pre_hooks.items()):
+            computed = _computed(hook)
+            if m is not top or computed:
+                _wrap_one(off, m, key, hook, units)
+                names += computed
+        _keep_at_offload(off, m, names)
     _restore_inside(off, top, hooked)
+
+
+def _wrap_one(off: Any, m: nn.Module, key: Any, hook: Any, units: Tuple[Tuple[Any, ...], Tuple[Any, ...]]) -> None:
+    """Put an _Acquiring in hook's place in m's pre-hooks, and record it for remove()."""
+    ours = _Acquiring(off, m, hook, units)
+    m._forward_pre_hooks[key] = ours
+    off._prehooks.append((m._forward_pre_hooks, key, hook, ours))
+
+
+def _keep_at_offload(off: Any, m: nn.Module, names: List[str]) -> None:
+    """The attributes of m named (computed by torch's pre-hooks) hold their offload()-time
+    values on the CPU now and again after each of m's forwards (_restore_after)."""
+    computed = {name: _on_host(m.__dict__[name]) for name in names if name in m.__dict__}
+    if computed:
+        m.__dict__.update(computed)
+        _restore_after(off, m, computed)
 
 
 def _restore_inside(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
@@ -117,18 +123,11 @@ def _restore_inside(off: Any, top: nn.Module, hooked: List[nn.Module]) -> None:
     stay on the device after the forward, a copy of each such weight outside the budget. So
     their forward is wrapped to restore it, as a hooked module's is."""
     offloaded = {id(e.tensor) for u in off.units for e in u.entries}
-    seen = {id(m) for m in hooked} | {id(top)}
+    skip = {id(m) for m in hooked} | {id(top)}
     for m in top.modules():
-        if id(m) in seen or not m._forward_pre_hooks:
-            continue
-        seen.add(id(m))
-        if not any(id(p) in offloaded for p in m._parameters.values() if p is not None):
-            continue
-        computed = {name: _on_host(m.__dict__[name]) for hook in m._forward_pre_hooks.values()
-                    for name in _computed(hook) if name in m.__dict__}
-        if computed:
-            m.__dict__.update(computed)
-            _restore_after(off, m, computed)
+        if (id(m) not in skip and m._forward_pre_hooks
+                and any(id(p) in offloaded for p in m._parameters.values() if p is not None)):
+            _keep_at_offload(off, m, [n for hook in m._forward_pre_hooks.values() for n in _computed(hook)])
 
 
 def wrap_late(off: Any) -> None:
@@ -137,14 +136,9 @@ def wrap_late(off: Any) -> None:
     the last look (off._handles_seen); an attribute read otherwise."""
     off._handles_seen = RemovableHandle.next_id
     for m, units in off._prehook_targets:
-        hooks = m._forward_pre_hooks
-        if not hooks:
-            continue
-        for key, hook in list(hooks.items()):
+        for key, hook in list(m._forward_pre_hooks.items()):
             if not isinstance(hook, _Acquiring):
-                ours = _Acquiring(off, m, hook, units)
-                hooks[key] = ours
-                off._prehooks.append((hooks, key, hook, ours))
+                _wrap_one(off, m, key, hook, units)
 
 
 def _on_host(value: Any) -> Any:

@@ -207,17 +207,20 @@ def record(off: "Offload", t: torch.Tensor) -> Optional[_Saved]:
 
 
 def _copy_out(off: "Offload", holder: Any, nbytes: int, dtype: torch.dtype, size: Tuple[int, ...],
-              byte_offset: int = 0, stride: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+              byte_offset: int = 0, stride: Optional[Tuple[int, ...]] = None,
+              into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The tensor at byte_offset of holder's buffer (a unit, or a stashed activation's buffer:
     nbytes long), copied out (device to device, stream-ordered) while the buffer is acquired on
-    the current stream. Contiguous sizes where no stride is given."""
+    the current stream: into `into` where given (returned), else a clone. Contiguous sizes where
+    no stride is given."""
     stream = off._stream()
     ptr = off._acquire_raw(holder, stream)
     try:
         out = torch.empty(0, dtype=dtype, device=off.device)
         storage = _storage_at(ptr, nbytes, off.device)
         at = byte_offset // out.element_size()
-        out = (out.set_(storage, at, size) if stride is None else out.set_(storage, at, size, stride)).clone()
+        out = out.set_(storage, at, size) if stride is None else out.set_(storage, at, size, stride)
+        out = out.clone() if into is None else into.copy_(out)
     finally:
         st = off._c_release(holder.handle, stream)
     if st:
@@ -362,13 +365,4 @@ def unstash(off: "Offload", s: _Stashed) -> torch.Tensor:
     esize = lay.esize
     out = torch.empty(lay.span + lay.pad + _ALIGN // esize, dtype=s.dtype, device=off.device)
     at = lay.pad + (-out.data_ptr() % _ALIGN) // esize
-    view = out.as_strided(s.size, lay.stride, at)
-    stream = off._stream()
-    ptr = off._acquire_raw(s.buf, stream)
-    try:
-        view.copy_(torch.empty(0, dtype=s.dtype, device=off.device).set_(_storage_at(ptr, s.buf.size, off.device), 0, s.size))
-    finally:
-        st = off._c_release(s.buf.handle, stream)
-    if st:
-        raise error_for(st)
-    return view
+    return _copy_out(off, s.buf, s.buf.size, s.dtype, s.size, into=out.as_strided(s.size, lay.stride, at))
