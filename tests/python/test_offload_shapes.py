@@ -6,6 +6,7 @@ per steady step at most 1.15 x (offloaded bytes - budget + largest unit). The de
 the emulated device's free memory less offload()'s reserve (emu_capacity sizes the device)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import List
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 from torch.nn.utils.weight_norm import WeightNorm
 
 import spillway
@@ -755,3 +757,112 @@ def test_quantized_weights_in_a_parameter_subclass_keep_their_class_and_attribut
     off.remove()
     with torch.no_grad():
         assert type(m[0].weight) is QuantParam and torch.equal(m(x), ref)
+
+
+class Mixer(nn.Module):
+    """Mamba's mixer in miniature: its forward calls in_proj and out_proj, and a method of its
+    own multiplies by dt_proj's weight and adds its bias without calling dt_proj."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.dt_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+        self.A = nn.Parameter(torch.randn(d))
+        self.seen: List[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.in_proj(x))
+
+    def mix(self, h: torch.Tensor) -> torch.Tensor:
+        a, b = h.chunk(2, -1)
+        self.seen.append(self.dt_proj.weight.data_ptr())
+        return self.out_proj(F.linear(a, self.dt_proj.weight, self.dt_proj.bias) * b * self.A)
+
+
+def test_a_module_reading_its_childs_weight_itself_is_one_unit():
+    """A parent larger than a unit that reads a child's weight in its own code (the child's hook
+    never runs) is kept whole, so its hook brings that weight too: on CUDA the host copy would
+    meet device tensors."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Mixer(256) for _ in range(6)]).requires_grad_(False)  # 1 MiB a mixer, 6 MiB
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        ref = m(x)
+    off = spt.offload(m, budget="3MiB", backend="emu", vmm="off")
+    assert all(id(mx) in off._needs and id(mx.dt_proj) not in off._needs for mx in m)
+    host = {mx.dt_proj.weight.data_ptr() for mx in m}
+    for mx in m:
+        mx.seen.clear()
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=3)
+    assert torch.equal(out, ref) and per_step >= offloaded_bytes(off) - 3 * MiB
+    assert all(len(mx.seen) == 3 and not host & set(mx.seen) for mx in m)  # the device copy, every call
+    off.remove()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+
+
+class _Plus(nn.Module):
+    def __init__(self, delta: torch.Tensor) -> None:
+        super().__init__()
+        self.delta = delta
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + self.delta
+
+
+class ParamLoRA(nn.Module):
+    """peft's LoRA on a Parameter (its MoE experts' path) in miniature: each call registers a
+    parametrization adding B @ A to the wrapped module's weight, and removes it after."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.05)
+        self.B = nn.Parameter(torch.randn(base.out_features, rank) * 0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._activate():
+            return self.base_layer(x)
+
+    @contextlib.contextmanager
+    def _activate(self):
+        parametrize.register_parametrization(self.base_layer, "weight", _Plus(self.B @ self.A))
+        try:
+            yield
+        finally:
+            parametrize.remove_parametrizations(self.base_layer, "weight", leave_parametrized=False)
+
+
+def test_a_parametrization_registered_for_each_call_gets_the_device_copy():
+    """register_parametrization takes the weight out of its module's parameters for the call and
+    removing it puts the tensor it took back as a buffer: the wrapper is one unit, the
+    parametrization wraps the device copy, and the host Parameter goes back after each call."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(ParamLoRA(nn.Linear(512, 512).requires_grad_(False)), nn.Tanh())
+                        for _ in range(8)])  # 8 MiB of frozen weights
+    ref = copy.deepcopy(m)
+    bases = [blk[0].base_layer for blk in m]
+    host = [b.weight for b in bases]
+    off = spt.offload(m, budget="4MiB", backend="emu", vmm="off")
+    assert all(id(blk[0]) in off._needs and id(b) not in off._needs for blk, b in zip(m, bases))
+    opts = [torch.optim.SGD([p for p in mod.parameters() if p.requires_grad], lr=0.1) for mod in (m, ref)]
+    for step in range(3):
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(step))
+        loss = moved(off, lambda: m(x).square().mean())
+        want = ref(x).square().mean()
+        assert torch.equal(loss, want), step
+        loss.backward()
+        want.backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert p.requires_grad == q.requires_grad and (not p.requires_grad or torch.equal(p.grad, q.grad)), n
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert all(type(b) is nn.Linear and b._parameters["weight"] is w and "weight" not in b._buffers
+                   for b, w in zip(bases, host))
+    off.remove()
+    x = torch.randn(16, 512)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))

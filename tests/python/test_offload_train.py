@@ -830,11 +830,19 @@ def test_an_optimizer_holding_a_parameter_outside_the_model():
                   optimizer=torch.optim.SGD([{"params": m.parameters()}, {"params": [stray]}], lr=0.1))
 
 
-def test_an_optimizer_holding_a_frozen_parameter_of_the_model():
+def test_an_optimizer_holding_frozen_parameters_of_the_model_skips_them():
+    """AdamW(model.parameters()) over a model with frozen parts (Whisper's positions, a frozen
+    encoder): torch's optimizers skip a parameter without a gradient, and so does the offload,
+    which streams the frozen ones as frozen weights."""
     m = stack()
-    m[2].weight.requires_grad_(False)
-    check_refused(m, spillway.InvalidArgument, "parameter 2 is the model's '2.weight', which does not require grad",
-                  optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    m[2].requires_grad_(False)
+    m[10].weight.requires_grad_(False)
+    ref = copy.deepcopy(m)
+    frozen = {n: p.detach().clone() for n, p in m.named_parameters() if not p.requires_grad}
+    off = train(m, ref, lambda mod: torch.optim.AdamW(mod.parameters(), lr=1e-3), stack_batches, mse)
+    assert off.optimizer.param_groups[0]["params"][2] is m[2].weight  # in the optimizer, frozen
+    assert all(torch.equal(dict(m.named_parameters())[n], v) for n, v in frozen.items())
+    finish(off, m, ref, stack_batches(9)[0])
 
 
 def test_an_optimizer_for_a_model_with_nothing_trainable():

@@ -50,8 +50,9 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     optimizer state take no device memory. opt.step is wrapped (remove() unwraps it) so that
     each step ends by dropping the device copies of the units holding opt's parameters; the
     next forward uploads the new values. Refused before anything moves (InvalidArgument) when
-    opt is not an Optimizer, holds a parameter that is not a trainable parameter of module, or
-    module has none; with offload_trainable=False it is a ConfigError. One module only (not a
+    opt is not an Optimizer, holds a tensor that is not a parameter of module, or module has no
+    trainable one (frozen parameters in opt are offloaded as frozen weights and skipped, as
+    torch's optimizers skip a parameter without a gradient); with offload_trainable=False it is a ConfigError. One module only (not a
     list or a pipeline).
     host_update: "spillway" (default): a torch.optim.AdamW's, Adam's or SGD's step runs in
     spillway's C kernels (multi-threaded, vectorized; docs/host_optimizer.md) on opt's own

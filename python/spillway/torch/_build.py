@@ -115,6 +115,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # gradients of the trained host Parameters on their way from the device (ToHost)
     off._landing: Optional[_train.GradLanding] = _train.GradLanding(dev) if off._train else None
     off._param_unit: Dict[int, _Unit] = {}  # id(trainable parameter) -> its unit (optimizer= only)
+    off._holders = None  # id(module._parameters) -> module, made when a slot needs its module (_holder)
     # Methods wrapped as instance attributes (opt.step, and with overlap_update the points that
     # finish its update): (object, name, whether it had that attribute, it, ours), for remove()
     off._method_wraps: List[Tuple[Any, str, bool, Any, Any]] = []

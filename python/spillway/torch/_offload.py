@@ -99,7 +99,7 @@ _READ = _lib.ACCESS_READ
 # an iterator, so _drain(map(_setitem, dicts, names, values)) is `for ...: dicts[i][names[i]] =
 # values[i]`, and all(map(_is, map(_getitem, dicts, names), values)) checks they still hold them.
 _drain = collections.deque(maxlen=0).extend
-_setitem, _getitem, _is = operator.setitem, operator.getitem, operator.is_
+_setitem, _getitem, _is = operator.setitem, dict.get, operator.is_
 _ptr = torch.Tensor.data_ptr
 _no_torch_function = torch._C.DisableTorchFunction
 # Sets of device tensors per unit, at most, each over one of its recent device addresses: the
@@ -289,13 +289,28 @@ class Offload:
     def _unswap_each(self, u: _Unit, vs: Tuple[torch.Tensor, ...]) -> None:
         """Put u's parameters back holder by holder: some module replaced what its slot held
         (vs: the device tensors, or a trained acquisition's u.live) during its forward, and
-        keeps its own."""
+        keeps its own. A slot emptied with its tensor come back as a buffer of the same name is
+        torch's parametrize undone (peft registers a parametrization on a wrapped module for
+        each call, and removing it registers the plain tensor it took as a buffer): the
+        Parameter goes back."""
         ds, ks, _, ps = u.dev_set[1]
         for d, k, v, p in zip(ds, ks, vs, ps):
-            if d[k] is v:
+            if k not in d:
+                m = self._holder(d)
+                if m is not None and m._buffers.get(k) is v:
+                    del m._buffers[k]
+                    d[k] = p
+                    continue
+            if d.get(k) is v:
                 d[k] = p
             else:
                 self._forget_slot(u, d, k)
+
+    def _holder(self, d: Dict[str, Any]) -> Optional[nn.Module]:
+        """The module whose _parameters d is (the map made at the first need)."""
+        if self._holders is None:
+            self._holders = {id(m._parameters): m for m in self.module.modules()}
+        return self._holders.get(id(d))
 
     def _release(self, u: _Unit) -> None:
         refs = u.refs

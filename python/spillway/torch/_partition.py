@@ -10,15 +10,22 @@ below `lo` bytes are grouped into one unit, which each of them acquires (the fir
 uploads it, the others find it resident); a run that stays below `lo` joins the child after it,
 or at the end the unit of children before it, where the sum fits `hi`. A container that is
 never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
-reads its children's weights itself (torch's MultiheadAttention and transformer layers) is never
-split. Weights a parent's own code reads from a child (F.linear(x, self.proj.weight)) are not
-seen by the child's hook: such a parent must be one unit (blocks=[...]). Whatever the shape: decoder stacks,
+reads its children's weights itself is never split, since a child's hook runs only when the
+child is called: torch's MultiheadAttention and transformer layers, and any module whose forward,
+or a method it calls on self, reads `self.child.tensor` for a tensor of a child (Mamba's mixer
+multiplies by self.dt_proj.weight) or re-parametrizes a child's tensor for the call (peft's
+LoRA on a Parameter: torch's register_parametrization), as its source says. The top level is split all the same: a
+tensor its own code reads from a child must be named in blocks=[...]. Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
 No spillway calls here, and nothing moves.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Set
+import functools
+import inspect
+import re
+import textwrap
+from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
 
 from torch import nn
 
@@ -98,7 +105,8 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
         # The top level is always split (unless it cannot be): its own methods other than forward
         # (a VAE's decode) call its children, whose hooks then bring their units.
         fits = size[id(m)] <= hi and m is not module
-        if _called(m) and (fits or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())):
+        if _called(m) and (fits or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())
+                           or (m is not module and reads_children(m))):
             groups.append([m])  # fits, or cannot be split (its tensors are all its own, or it reads its children's)
             return
         run: Group = []
@@ -154,3 +162,51 @@ def _distinct(mods: Iterable[nn.Module], seen: Set[int]) -> List[nn.Module]:
             seen.add(id(m))
             out.append(m)
     return out
+
+
+_SELF_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?!\s*\()")  # self.a.b, not a call
+_SELF_CALL = re.compile(r"\bself\.([A-Za-z_]\w*)\s*\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, str]], bool]:
+    """(the (a, b) of every `self.a.b` (not a call), whether register_parametrization is called)
+    in the source of cls.forward and of the methods of cls it calls as self.method(...),
+    transitively. Nothing where the source cannot be read (a compiled or generated forward) or
+    forward is torch.nn's own."""
+    reads: Set[Tuple[str, str]] = set()
+    parametrizes = False
+    todo, seen = ["forward"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        fn = getattr(cls, name, None)
+        if not inspect.isfunction(fn):
+            continue
+        fn = inspect.unwrap(fn)  # forwards under functools.wraps decorators (transformers' output handling)
+        if fn.__module__.startswith("torch.nn."):
+            continue
+        try:
+            src = textwrap.dedent(inspect.getsource(fn))
+        except (OSError, TypeError):
+            continue
+        reads.update(_SELF_READ.findall(src))
+        parametrizes = parametrizes or "register_parametrization(" in src
+        todo.extend(_SELF_CALL.findall(src))
+    return frozenset(reads), parametrizes
+
+
+def reads_children(m: nn.Module) -> bool:
+    """Whether m's forward reads a tensor of one of its children itself, or re-parametrizes one
+    (_forward_reads): the child's hook, run only when the child is called, would not have
+    brought it, or would bring it into a slot the parametrization has emptied."""
+    reads, parametrizes = _forward_reads(type(m))
+    if parametrizes:
+        return True
+    for a, b in reads:
+        c = m._modules.get(a)
+        if c is not None and (c._parameters.get(b) is not None or c._buffers.get(b) is not None):
+            return True
+    return False

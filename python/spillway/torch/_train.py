@@ -25,7 +25,10 @@ _lib_c = _lib.lib
 def check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str, torch.Tensor]],
                      offload_trainable: Optional[bool]) -> None:
     """offload(optimizer=opt) is refused before anything moves unless opt is a torch optimizer
-    all of whose parameters are trainable parameters of module, and module has some."""
+    all of whose parameters are parameters of module, and module has trainable ones. Frozen
+    parameters in opt (AdamW(model.parameters()) over a model with a frozen encoder) are
+    offloaded as frozen weights: opt never sees a gradient of theirs and skips them, as torch's
+    optimizers do."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise InvalidArgument(f"offload: optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
     if offload_trainable is False:
@@ -37,12 +40,11 @@ def check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str,
     names = {id(p): n for n, p in module.named_parameters()}
     for gi, group in enumerate(opt.param_groups):
         for pi, p in enumerate(group["params"]):
-            if id(p) in trainable:
+            if id(p) in trainable or id(p) in names:
                 continue
-            what = (f"the model's {names[id(p)]!r}, which does not require grad" if id(p) in names else
-                    f"a {tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}")
-            raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is {what}; "
-                                  "every parameter of optimizer= must be a trainable parameter of the module")
+            raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is a "
+                                  f"{tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}; "
+                                  "every parameter of optimizer= must be a parameter of the module")
 
 
 class GradLanding:
