@@ -13,10 +13,11 @@ bytes and compared with a resident twin:
             losses and adapters bitwise equal
   removed   remove() gives the resident model back (logits bitwise equal again)
 
-Decoders (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, GPT-2's Conv1D, GPT-NeoX, Falcon, OPT),
-mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek-V3 with its latent attention, GPT-OSS),
-encoder-decoders (T5, BART, Whisper), encoders (BERT, ViT, CLIP) and a state-space model
-(Mamba). transformers is not on Debian: this runs where it is installed (the GPU machine).
+Decoders (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi, Phi-3, Cohere, StableLM, StarCoder2, OLMo 2,
+Granite, GPT-2's Conv1D, GPT-J, CodeGen, GPT-NeoX, Falcon, OPT, BLOOM's ALiBi, MPT), mixtures of
+experts (Mixtral, Qwen3-MoE, DeepSeek-V3 with its latent attention, GPT-OSS), state-space and
+hybrid models (Mamba, Mamba-2, Jamba), a vision-language model (LLaVA), encoder-decoders (T5,
+BART, Whisper) and encoders (BERT, ViT, CLIP). transformers is not on Debian: this runs where it is installed (the GPU machine).
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \\
         python3 bench/dev/transformers_zoo.py [--checks forward,generate,train,lora] [NAME ...]
@@ -68,6 +69,36 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                            qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=32, n_group=2,
                                            topk_group=1))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
+    for mt, extra in (("cohere", {}), ("stablelm", {}), ("starcoder2", {}), ("olmo2", {}), ("granite", {}),
+                      ("jamba", dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                     attn_layer_period=3, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
+                                     mamba_expand=2, use_mamba_kernels=False))):
+        yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
+    yield "phi", "causal", cfg("phi", vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
+                               num_attention_heads=8, **IDS), text, "AutoModelForCausalLM"
+    yield "gptj", "causal", cfg("gptj", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, rotary_dim=32,
+                                n_positions=1024, **IDS), text, "AutoModelForCausalLM"
+    yield "codegen", "causal", cfg("codegen", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, rotary_dim=32,
+                                   n_positions=1024, n_ctx=1024, **IDS), text, "AutoModelForCausalLM"
+    yield "bloom", "causal", cfg("bloom", vocab_size=VOCAB, hidden_size=512, n_layer=6, n_head=8, **IDS), \
+        text, "AutoModelForCausalLM"
+    yield "mpt", "causal", cfg("mpt", vocab_size=VOCAB, d_model=512, n_layers=6, n_heads=8, max_seq_len=1024,
+                               expansion_ratio=2, **IDS), text, "AutoModelForCausalLM"
+    yield "mamba2", "causal", lambda: T.AutoConfig.for_model("mamba2", vocab_size=VOCAB, hidden_size=512,
+                                                             num_hidden_layers=4, num_heads=16, head_dim=64, expand=2,
+                                                             state_size=64, n_groups=1, chunk_size=64, **IDS), \
+        text, "AutoModelForCausalLM"
+    image = VOCAB - 1  # llava's image token: one per patch of the image (8 x 8), then text
+
+    def llava_inputs(g: torch.Generator) -> Dict[str, Any]:
+        t = ids(g, t=16).clamp_max(VOCAB - 2)
+        return dict(input_ids=torch.cat([torch.full((2, 64), image, device=DEV), t], 1),
+                    pixel_values=torch.randn(2, 3, 64, 64, device=DEV, generator=g))
+    yield "llava", "causal", lambda: T.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, image_size=64, patch_size=8),
+        text_config=dict(model_type="llama", **DEC), image_token_index=image, attn_implementation="sdpa"), \
+        llava_inputs, "AutoModelForImageTextToText"
     yield "gpt2", "causal", cfg("gpt2", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, n_positions=1024, **IDS), \
         text, "AutoModelForCausalLM"
     yield "gpt_neox", "causal", cfg("gpt_neox", vocab_size=VOCAB, hidden_size=512, intermediate_size=2048,

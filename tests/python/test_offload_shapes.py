@@ -866,3 +866,40 @@ def test_a_parametrization_registered_for_each_call_gets_the_device_copy():
     x = torch.randn(16, 512)
     with torch.no_grad():
         assert torch.equal(m(x), ref(x))
+
+
+class TiedHead(nn.Module):
+    """A language model whose head is computed by its own forward from the embedding's weight
+    (x @ self.embed.weight.T), as much research code writes it."""
+
+    def __init__(self, vocab: int = 2048, dim: int = 256, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+                                     for _ in range(depth)])
+        self.seen: List[int] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        self.seen.append(self.embed.weight.data_ptr())
+        return x @ self.embed.weight.T
+
+
+def test_a_weight_the_top_levels_own_code_reads_from_a_child_is_held_for_the_step():
+    torch.manual_seed(0)
+    m = TiedHead().requires_grad_(False)  # 2 MiB of embedding, 6 MiB of layers
+    ids = torch.randint(0, 2048, (2, 32))
+    with torch.no_grad():
+        ref = m(ids)
+    off = spt.offload(m, budget="4MiB", backend="emu", vmm="off")
+    host = m.embed.weight.data_ptr()
+    m.seen.clear()
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(ids), steps=3)
+    assert torch.equal(out, ref) and per_step >= offloaded_bytes(off) - 4 * MiB
+    assert len(m.seen) == 3 and host not in m.seen  # the device copy when the head reads it
+    off.remove()
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref)

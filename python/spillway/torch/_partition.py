@@ -14,8 +14,9 @@ reads its children's weights itself is never split, since a child's hook runs on
 child is called: torch's MultiheadAttention and transformer layers, and any module whose forward,
 or a method it calls on self, reads `self.child.tensor` for a tensor of a child (Mamba's mixer
 multiplies by self.dt_proj.weight) or re-parametrizes a child's tensor for the call (peft's
-LoRA on a Parameter: torch's register_parametrization), as its source says. The top level is split all the same: a
-tensor its own code reads from a child must be named in blocks=[...]. Whatever the shape: decoder stacks,
+LoRA on a Parameter: torch's register_parametrization), as its source says. The top level is split all the same;
+the tensors its own code reads from a child are its own unit's, held for the whole step
+(_units.py). Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
 No spillway calls here, and nothing moves.
 """
@@ -198,15 +199,17 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, str]], bool]:
     return frozenset(reads), parametrizes
 
 
+def children_read(m: nn.Module) -> List[nn.Module]:
+    """m's children a tensor of which m's forward reads itself (_forward_reads), in m's order."""
+    reads, _ = _forward_reads(type(m))
+    names = {a for a, b in reads
+             if a in m._modules and m._modules[a] is not None
+             and (m._modules[a]._parameters.get(b) is not None or m._modules[a]._buffers.get(b) is not None)}
+    return [c for a, c in m._modules.items() if a in names and c is not None]
+
+
 def reads_children(m: nn.Module) -> bool:
     """Whether m's forward reads a tensor of one of its children itself, or re-parametrizes one
     (_forward_reads): the child's hook, run only when the child is called, would not have
     brought it, or would bring it into a slot the parametrization has emptied."""
-    reads, parametrizes = _forward_reads(type(m))
-    if parametrizes:
-        return True
-    for a, b in reads:
-        c = m._modules.get(a)
-        if c is not None and (c._parameters.get(b) is not None or c._buffers.get(b) is not None):
-            return True
-    return False
+    return _forward_reads(type(m))[1] or bool(children_read(m))

@@ -11,6 +11,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from . import _partition
+
 _ALIGN = 256  # offset alignment of each tensor inside its unit's pack
 _SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
 
@@ -209,6 +211,18 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
             needs[id(mod)] = used
             hooked.append(mod)
 
+    # The tensors the top level's own code reads from its children (a head computed as
+    # x @ self.embed.weight.T) are in its own unit, which it holds for the whole step: the
+    # children's hooks run only while they are called.
+    top_read = _partition.children_read(module)
+    if top_read:
+        u = _Unit(names.get(id(module), "") or type(module).__name__, len(units))
+        claim(u, module, "", False)  # its own tensors first: the walk below finds them all claimed
+        for c in top_read:
+            claim(u, c, names.get(id(c), ""), False)
+        if u.entries:
+            units.append(u)
+            hook(module, [u])
     in_group: set = set()
     for g in groups:
         for b in g:
