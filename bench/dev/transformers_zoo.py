@@ -52,7 +52,8 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
     import transformers as T
 
     def cfg(model_type: str, **kw) -> Callable[[], Any]:
-        attn = "eager" if model_type == "gpt_oss" else "sdpa"  # GPT-OSS's attention sinks: eager only
+        # GPT-OSS's attention sinks, and the older decoders: eager only
+        attn = "eager" if model_type in ("gpt_oss", "gptj", "codegen", "bloom", "mpt") else "sdpa"
         return lambda: T.AutoConfig.for_model(model_type, attn_implementation=attn, **kw)
 
     text = lambda g: dict(input_ids=ids(g))  # noqa: E731
@@ -116,6 +117,8 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
     yield "t5", "seq2seq", cfg("t5", vocab_size=VOCAB, d_model=512, d_ff=1024, num_layers=4, num_decoder_layers=4,
                                num_heads=8, d_kv=64, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
                                dropout_rate=0.0), s2s, "AutoModelForSeq2SeqLM"
+    yield "umt5-encoder", "encoder", cfg("umt5", vocab_size=VOCAB, d_model=512, d_ff=1024, num_layers=4, num_heads=8,
+                                          d_kv=64, dropout_rate=0.0, pad_token_id=0, eos_token_id=2), text, "UMT5EncoderModel"
     yield "bart", "seq2seq", cfg("bart", vocab_size=VOCAB, d_model=512, encoder_layers=3, decoder_layers=3,
                                  encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=1024,
                                  decoder_ffn_dim=1024, max_position_embeddings=256, decoder_start_token_id=2,
@@ -156,7 +159,8 @@ def build(config: Callable[[], Any], auto: str) -> torch.nn.Module:
     import transformers as T
     torch.manual_seed(0)
     with torch.device(DEV):
-        model = getattr(T, auto).from_config(config())
+        cls = getattr(T, auto)
+        model = cls.from_config(config()) if auto.startswith("Auto") else cls(config())
     return model.eval()
 
 
@@ -205,7 +209,7 @@ def check_train(name, kind, config, inputs, auto, args) -> Dict[str, Any]:
     total, budget = budget_of(model, args.fraction)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    off = spt.offload(model, budget=budget, optimizer=opt, train_on_device=0)
+    off = spt.offload(model, budget=budget, optimizer=opt, train_on_device=0, activations=args.activations)
     res: Dict[str, Any] = {}
     worst = 0.0
     for step in range(3):
@@ -234,7 +238,7 @@ def check_train(name, kind, config, inputs, auto, args) -> Dict[str, Any]:
 def check_lora(name, kind, config, inputs, auto, args) -> Dict[str, Any]:
     import peft
     base = build(config, auto).requires_grad_(False)
-    targets = ["in_proj", "x_proj", "dt_proj"] if name == "mamba" else "all-linear"  # peft refuses the rest of Mamba's
+    targets = {"mamba": ["in_proj", "x_proj", "dt_proj"], "mamba2": ["in_proj"]}.get(name, "all-linear")  # peft refuses the rest
     ref = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     with torch.no_grad():
         for n, p in ref.named_parameters():
@@ -269,6 +273,8 @@ def main() -> None:
     ap.add_argument("--checks", default="forward,generate,train,lora")
     ap.add_argument("--fraction", type=float, default=0.4)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--activations", default=None, type=lambda v: {"on": True, "off": False}[v],
+                    help="offload()'s activations for the train check (on, off; default: its own)")
     args = ap.parse_args()
     args.checks = set(args.checks.split(","))
     import transformers

@@ -780,9 +780,9 @@ class Mixer(nn.Module):
         return self.out_proj(F.linear(a, self.dt_proj.weight, self.dt_proj.bias) * b * self.A)
 
 
-def test_a_module_reading_its_childs_weight_itself_is_one_unit():
+def test_a_weight_a_module_reads_from_its_child_itself_is_in_its_own_unit():
     """A parent larger than a unit that reads a child's weight in its own code (the child's hook
-    never runs) is kept whole, so its hook brings that weight too: on CUDA the host copy would
+    never runs) holds that weight in its own unit while it runs: on CUDA the host copy would
     meet device tensors."""
     torch.manual_seed(0)
     m = nn.Sequential(*[Mixer(256) for _ in range(6)]).requires_grad_(False)  # 1 MiB a mixer, 6 MiB
@@ -790,7 +790,9 @@ def test_a_module_reading_its_childs_weight_itself_is_one_unit():
     with torch.no_grad():
         ref = m(x)
     off = spt.offload(m, budget="3MiB", backend="emu", vmm="off")
-    assert all(id(mx) in off._needs and id(mx.dt_proj) not in off._needs for mx in m)
+    assert all(any(e.tensor is mx.dt_proj.weight for u in off._needs[id(mx)] for e in u.entries)
+               and not any(e.tensor is mx.in_proj.weight for u in off._needs[id(mx)] for e in u.entries)
+               for mx in m)
     host = {mx.dt_proj.weight.data_ptr() for mx in m}
     for mx in m:
         mx.seen.clear()
@@ -903,3 +905,22 @@ def test_a_weight_the_top_levels_own_code_reads_from_a_child_is_held_for_the_ste
     off.remove()
     with torch.no_grad():
         assert torch.equal(m(ids), ref)
+
+
+def test_reading_a_childs_dtype_or_shape_does_not_hold_its_weight():
+    """What a host copy answers as the device copy does (dtype, shape) is not a read of the
+    weight: transformers' heads cast to self.lm_head.weight.dtype before calling lm_head."""
+    from spillway.torch import _partition
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(4, 4)
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lm_head(x.to(self.lm_head.weight.dtype)) * self.lm_head.weight.shape[0]
+            return y + F.linear(x, self.proj.weight)
+
+    h = Head()
+    assert _partition.children_read(h) == [h.proj]

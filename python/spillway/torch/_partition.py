@@ -9,14 +9,14 @@ whose tensors are all its own is one unit whatever its size), and runs of neighb
 below `lo` bytes are grouped into one unit, which each of them acquires (the first acquire
 uploads it, the others find it resident); a run that stays below `lo` joins the child after it,
 or at the end the unit of children before it, where the sum fits `hi`. A container that is
-never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. A module whose forward
-reads its children's weights itself is never split, since a child's hook runs only when the
-child is called: torch's MultiheadAttention and transformer layers, and any module whose forward,
-or a method it calls on self, reads `self.child.tensor` for a tensor of a child (Mamba's mixer
-multiplies by self.dt_proj.weight) or re-parametrizes a child's tensor for the call (peft's
-LoRA on a Parameter: torch's register_parametrization), as its source says. The top level is split all the same;
-the tensors its own code reads from a child are its own unit's, held for the whole step
-(_units.py). Whatever the shape: decoder stacks,
+never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. A child's hook runs
+only when the child is called, so a module whose forward handles its children's weights itself
+is never split: torch's MultiheadAttention and transformer layers, and any module whose forward,
+or a method it calls on self, re-parametrizes a child's tensor for the call (peft's LoRA on a
+Parameter: torch's register_parametrization), as its source says. A module whose forward reads
+`self.child.tensor` (Mamba's mixer multiplies by self.dt_proj.weight; the top level computing a
+head as x @ self.embed.weight.T) is split as any other, and the tensors it reads are in its own
+unit, held while it runs (_units.py). Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
 No spillway calls here, and nothing moves.
 """
@@ -107,7 +107,7 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
         # (a VAE's decode) call its children, whose hooks then bring their units.
         fits = size[id(m)] <= hi and m is not module
         if _called(m) and (fits or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())
-                           or (m is not module and reads_children(m))):
+                           or (m is not module and _forward_reads(type(m))[1])):
             groups.append([m])  # fits, or cannot be split (its tensors are all its own, or it reads its children's)
             return
         run: Group = []
@@ -165,7 +165,9 @@ def _distinct(mods: Iterable[nn.Module], seen: Set[int]) -> List[nn.Module]:
     return out
 
 
-_SELF_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?!\s*\()")  # self.a.b, not a call
+# self.a.b, neither a call nor followed by what a host copy answers as well as the device copy
+_SELF_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?!\s*\()"
+                        r"(?!\.(?:dtype|shape|ndim|requires_grad|is_floating_point|size|dim|numel|element_size)\b)")
 _SELF_CALL = re.compile(r"\bself\.([A-Za-z_]\w*)\s*\(")
 
 
@@ -208,8 +210,3 @@ def children_read(m: nn.Module) -> List[nn.Module]:
     return [c for a, c in m._modules.items() if a in names and c is not None]
 
 
-def reads_children(m: nn.Module) -> bool:
-    """Whether m's forward reads a tensor of one of its children itself, or re-parametrizes one
-    (_forward_reads): the child's hook, run only when the child is called, would not have
-    brought it, or would bring it into a slot the parametrization has emptied."""
-    return _forward_reads(type(m))[1] or bool(children_read(m))

@@ -211,23 +211,25 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
             needs[id(mod)] = used
             hooked.append(mod)
 
-    # The tensors the top level's own code reads from its children (a head computed as
-    # x @ self.embed.weight.T) are in its own unit, which it holds for the whole step: the
-    # children's hooks run only while they are called.
-    top_read = _partition.children_read(module)
-    if top_read:
-        u = _Unit(names.get(id(module), "") or type(module).__name__, len(units))
-        claim(u, module, "", False)  # its own tensors first: the walk below finds them all claimed
-        for c in top_read:
-            claim(u, c, names.get(id(c), ""), False)
-        if u.entries:
-            units.append(u)
-            hook(module, [u])
     in_group: set = set()
     for g in groups:
         for b in g:
             for m in b.modules():
                 in_group.add(id(m))
+    # The tensors a split module's own code reads from its children (Mamba's mixer its
+    # dt_proj's weight, a top level computing its head as x @ self.embed.weight.T) are in its
+    # own unit, which its hook holds while it runs: the children's hooks run only while they
+    # are called. Claimed before the groups, which then leave them out.
+    for m in module.modules():
+        read = _partition.children_read(m) if id(m) not in in_group else []
+        if read:
+            u = _Unit(names.get(id(m), "") or type(m).__name__, len(units))
+            claim(u, m, names.get(id(m), "") if m is not module else "", False)  # its own first
+            for c in read:
+                claim(u, c, names.get(id(c), ""), False)
+            if u.entries:
+                units.append(u)
+                hook(m, [u])
     # The small tensors of groups that also hold large ones (norms, biases) share one unit,
     # which the top level holds for the whole step: a group of large tensors only is then a
     # whole number of the arena's large pages more often (a Llama layer: 416 MiB, not 416.02),
