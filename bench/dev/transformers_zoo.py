@@ -297,7 +297,7 @@ def main() -> None:
             except Exception as e:  # report and go on with the next check
                 traceback.print_exc(limit=-6)
                 res[check] = f"{type(e).__name__}: {str(e)[:200]}"
-        bad = [k for k in ("forward", "moving", "generate", "removed", "grads", "lora", "lora_moving")
+        bad = [k for k in ("forward", "moving", "generate", "removed", "train", "grads", "lora", "lora_moving")
                if k in res and res[k] is not True]
         if "losses" in res and res["losses"] > 1e-3:
             bad.append("losses")
