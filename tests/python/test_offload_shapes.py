@@ -924,3 +924,26 @@ def test_reading_a_childs_dtype_or_shape_does_not_hold_its_weight():
 
     h = Head()
     assert _partition.children_read(h) == [h.proj]
+
+
+def test_a_tensor_read_two_modules_down_is_held_by_the_reader():
+    """self.blocks[...] aside, a path through modules (self.head.proj.weight) reaches a tensor
+    of a grandchild: it is held by the reader too."""
+    from spillway.torch import _partition
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    class Reader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = Inner()
+            self.other = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.head.proj.weight.T) + self.other(x) * self.other.weight.dtype.itemsize
+
+    r = Reader()
+    assert _partition.children_read(r) == [r.head.proj]

@@ -14,7 +14,7 @@ only when the child is called, so a module whose forward handles its children's 
 is never split: torch's MultiheadAttention and transformer layers, and any module whose forward,
 or a method it calls on self, re-parametrizes a child's tensor for the call (peft's LoRA on a
 Parameter: torch's register_parametrization), as its source says. A module whose forward reads
-`self.child.tensor` (Mamba's mixer multiplies by self.dt_proj.weight; the top level computing a
+a tensor below it itself (`self.dt_proj.weight` in Mamba's mixer; a top level computing its
 head as x @ self.embed.weight.T) is split as any other, and the tensors it reads are in its own
 unit, held while it runs (_units.py). Whatever the shape: decoder stacks,
 UNets whose up blocks are larger than the budget, DiTs with two block lists, encoder-decoders.
@@ -165,19 +165,20 @@ def _distinct(mods: Iterable[nn.Module], seen: Set[int]) -> List[nn.Module]:
     return out
 
 
-# self.a.b, neither a call nor followed by what a host copy answers as well as the device copy
-_SELF_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?!\s*\()"
-                        r"(?!\.(?:dtype|shape|ndim|requires_grad|is_floating_point|size|dim|numel|element_size)\b)")
+_SELF_PATH = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)")  # self.a, self.a.b.c, ...
 _SELF_CALL = re.compile(r"\bself\.([A-Za-z_]\w*)\s*\(")
+# What a host copy answers as the device copy does: reading it is not a read of the tensor.
+_META = frozenset(("dtype", "shape", "ndim", "requires_grad", "is_floating_point", "size", "dim", "numel",
+                   "element_size"))
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, str]], bool]:
-    """(the (a, b) of every `self.a.b` (not a call), whether register_parametrization is called)
-    in the source of cls.forward and of the methods of cls it calls as self.method(...),
-    transitively. Nothing where the source cannot be read (a compiled or generated forward) or
-    forward is torch.nn's own."""
-    reads: Set[Tuple[str, str]] = set()
+def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
+    """(the attribute paths of every `self.a.b...` in the source of cls.forward and of the
+    methods of cls it calls as self.method(...), transitively; whether register_parametrization
+    is called there). Nothing where the source cannot be read (a compiled or generated
+    forward) or forward is torch.nn's own."""
+    reads: Set[Tuple[str, ...]] = set()
     parametrizes = False
     todo, seen = ["forward"], set()
     while todo:
@@ -195,18 +196,26 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, str]], bool]:
             src = textwrap.dedent(inspect.getsource(fn))
         except (OSError, TypeError):
             continue
-        reads.update(_SELF_READ.findall(src))
+        reads.update(tuple(p.split(".")[1:]) for p in _SELF_PATH.findall(src))
         parametrizes = parametrizes or "register_parametrization(" in src
         todo.extend(_SELF_CALL.findall(src))
     return frozenset(reads), parametrizes
 
 
 def children_read(m: nn.Module) -> List[nn.Module]:
-    """m's children a tensor of which m's forward reads itself (_forward_reads), in m's order."""
-    reads, _ = _forward_reads(type(m))
-    names = {a for a, b in reads
-             if a in m._modules and m._modules[a] is not None
-             and (m._modules[a]._parameters.get(b) is not None or m._modules[a]._buffers.get(b) is not None)}
-    return [c for a, c in m._modules.items() if a in names and c is not None]
-
-
+    """The modules below m a tensor of which m's forward reads itself (self.proj.weight,
+    self.block.attn.qkv.weight; _forward_reads), not through their own forward: in the order of
+    m.modules()."""
+    owners: Set[int] = set()
+    for path in _forward_reads(type(m))[0]:
+        cur = m
+        for i, name in enumerate(path):
+            child = cur._modules.get(name) if isinstance(cur, nn.Module) else None
+            if child is not None:
+                cur = child
+                continue
+            if cur is not m and (cur._parameters.get(name) is not None or cur._buffers.get(name) is not None):
+                if i + 1 == len(path) or path[i + 1] not in _META:
+                    owners.add(id(cur))
+            break
+    return [c for c in m.modules() if id(c) in owners]

@@ -216,9 +216,9 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
         for b in g:
             for m in b.modules():
                 in_group.add(id(m))
-    # The tensors a split module's own code reads from its children (Mamba's mixer its
+    # The tensors a split module's own code reads from the modules below it (Mamba's mixer its
     # dt_proj's weight, a top level computing its head as x @ self.embed.weight.T) are in its
-    # own unit, which its hook holds while it runs: the children's hooks run only while they
+    # own unit, which its hook holds while it runs: their modules' hooks run only while those
     # are called. Claimed before the groups, which then leave them out.
     for m in module.modules():
         read = _partition.children_read(m) if id(m) not in in_group else []
