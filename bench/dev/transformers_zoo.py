@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-import torch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
+import torch  # noqa: E402
 
-import spillway.torch as spt
+import spillway.torch as spt  # noqa: E402
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -281,6 +283,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.enable_cudnn_sdp(False)  # not deterministic run to run (bench/RESULTS.md)
+    # CUDA's embedding backward sums repeated indices in no fixed order: T5's relative-position
+    # bias (a few buckets repeated over every query and key) differs between two resident runs
+    torch.use_deterministic_algorithms(True, warn_only=True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
           f"budget {args.fraction:.0%} of each model, checks {','.join(sorted(args.checks))}")
     failed = 0

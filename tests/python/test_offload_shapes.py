@@ -947,3 +947,25 @@ def test_a_tensor_read_two_modules_down_is_held_by_the_reader():
 
     r = Reader()
     assert _partition.children_read(r) == [r.head.proj]
+
+
+class Wrapped(nn.Module):
+    """An adapter wrapper as peft's LoRA layers are: .weight answers with its base layer's."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+
+def test_a_weight_read_through_a_wrappers_property_is_held_by_the_reader():
+    from spillway.torch import _partition
+    mx = Mixer(8)
+    mx.dt_proj = Wrapped(mx.dt_proj)
+    assert _partition.children_read(mx) == [mx.dt_proj.base_layer]

@@ -210,12 +210,31 @@ def children_read(m: nn.Module) -> List[nn.Module]:
     for path in _forward_reads(type(m))[0]:
         cur = m
         for i, name in enumerate(path):
-            child = cur._modules.get(name) if isinstance(cur, nn.Module) else None
+            child = cur._modules.get(name)
             if child is not None:
                 cur = child
                 continue
-            if cur is not m and (cur._parameters.get(name) is not None or cur._buffers.get(name) is not None):
-                if i + 1 == len(path) or path[i + 1] not in _META:
-                    owners.add(id(cur))
+            if cur is not m and (i + 1 == len(path) or path[i + 1] not in _META):
+                owner = _tensor_owner(cur, name)
+                if owner is not None:
+                    owners.add(id(owner))
             break
     return [c for c in m.modules() if id(c) in owners]
+
+
+def _tensor_owner(mod: nn.Module, name: str) -> "nn.Module | None":
+    """The module below mod (mod itself included) holding mod.name as a parameter or buffer:
+    mod's own tensor, or one an attribute of mod returns from below it (peft's LoRA layers
+    answer .weight with their base layer's)."""
+    if mod._parameters.get(name) is not None or mod._buffers.get(name) is not None:
+        return mod
+    if name in mod.__dict__ or not isinstance(getattr(type(mod), name, None), property):
+        return None
+    try:
+        t = getattr(mod, name)
+    except Exception:  # a property that cannot answer here: not a read this can place
+        return None
+    for sub in mod.modules():
+        if any(v is t for v in sub._parameters.values()) or any(v is t for v in sub._buffers.values()):
+            return sub
+    return None
