@@ -59,6 +59,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
         return lambda: T.AutoConfig.for_model(model_type, attn_implementation=attn, **kw)
 
     text = lambda g: dict(input_ids=ids(g))  # noqa: E731
+    image = VOCAB - 1  # the vision-language models' image token: one per patch of the image (8 x 8), then text
     for mt, extra in (("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", dict(head_dim=64)),
                       ("gemma2", dict(head_dim=64, tie_word_embeddings=True)),
                       ("gemma3_text", dict(head_dim=64, sliding_window=32)), ("phi3", {}),
@@ -77,6 +78,37 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                      attn_layer_period=3, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
                                      mamba_expand=2, use_mamba_kernels=False))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
+    for mt, extra in (("nemotron", {}), ("smollm3", {}), ("glm", {}), ("glm4", {}), ("helium", {}), ("arcee", {}),
+                      ("ernie4_5", {}), ("seed_oss", {}), ("hunyuan_v1_dense", {}), ("exaone4", dict(sliding_window=32)),
+                      ("olmoe", dict(num_experts=8, num_experts_per_tok=2)),
+                      ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+                      ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
+                      ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                         shared_expert_intermediate_size=512)),
+                      ("llama4_text", dict(head_dim=64, num_local_experts=4, num_experts_per_tok=1,
+                                           intermediate_size_mlp=1024, interleave_moe_layer_step=2,
+                                           attention_chunk_size=32)),
+                      ("recurrent_gemma", dict(lru_width=512, attention_window_size=32, num_key_value_heads=1,
+                                               block_types=["recurrent", "recurrent", "attention"])),
+                      ("zamba2", dict(mamba_d_state=16, mamba_headdim=64, n_mamba_heads=16, num_mem_blocks=1,
+                                      hybrid_layer_ids=[2], use_mem_rope=True)),
+                      ("falcon_h1", dict(mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16,
+                                         mamba_n_groups=1, mamba_chunk_size=64, head_dim=64)),
+                      ("bamba", dict(mamba_d_state=16, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
+                                     mamba_chunk_size=64, attn_layer_indices=[2])),
+                      ("dbrx", dict(d_model=512, n_heads=8, n_layers=4, max_seq_len=1024, attn_config={"kv_n_heads": 4},
+                                    ffn_config={"ffn_hidden_size": 1024, "moe_num_experts": 4, "moe_top_k": 2}))):
+        yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
+
+    def pali_inputs(g: torch.Generator) -> Dict[str, Any]:
+        t = ids(g, t=16).clamp_max(VOCAB - 2)
+        return dict(input_ids=torch.cat([torch.full((2, 64), image, device=DEV), t], 1),
+                    pixel_values=torch.randn(2, 3, 64, 64, device=DEV, generator=g))
+    yield "paligemma", "causal", lambda: T.PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, image_size=64, patch_size=8, projection_dim=512),
+        text_config=dict(model_type="gemma", **{**DEC, "head_dim": 64}), image_token_index=image,
+        projection_dim=512, attn_implementation="sdpa"), pali_inputs, "AutoModelForImageTextToText"
     yield "phi", "causal", cfg("phi", vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
                                num_attention_heads=8, **IDS), text, "AutoModelForCausalLM"
     yield "gptj", "causal", cfg("gptj", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, rotary_dim=32,
@@ -91,7 +123,6 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                                              num_hidden_layers=4, num_heads=16, head_dim=64, expand=2,
                                                              state_size=64, n_groups=1, chunk_size=64, **IDS), \
         text, "AutoModelForCausalLM"
-    image = VOCAB - 1  # llava's image token: one per patch of the image (8 x 8), then text
 
     def llava_inputs(g: torch.Generator) -> Dict[str, Any]:
         t = ids(g, t=16).clamp_max(VOCAB - 2)
