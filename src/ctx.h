@@ -53,6 +53,9 @@ spw_status spw__ctx_alloc_block_ordered(struct spw_ctx *ctx, spw_arena *a, size_
                                         spw_block **out, spw_arena_wait *w, int *nw);
 /* The policy's one-line account of itself ("" when it has none), taking the context lock
  * (ctx_create.c; for the summary and the tools). */
+/* Room for the policy's account of itself: the plan's, with every trial's time and every note,
+ * runs well past 256 characters. */
+#define SPW__POLICY_DESCRIBE_MAX 1024
 void spw__ctx_describe_policy(struct spw_ctx *ctx, char *buf, size_t len);
 /* Free the pointer map (teardown; the memory it names goes with the arenas). */
 void spw__ctx_live_clear(struct spw_ctx *ctx);

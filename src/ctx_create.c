@@ -168,7 +168,7 @@ void spw__ctx_describe_policy(spw_ctx *ctx, char *buf, size_t len) {
 SPW_API spw_status spw_summary(spw_ctx *ctx, FILE *f) {
     if (!ctx || !f) return spw__error(SPW_ERR_INVALID_ARGUMENT, "spw_summary: NULL argument");
     spw_stats st;
-    char policy[256];
+    char policy[SPW__POLICY_DESCRIBE_MAX];
     spw_stats_get(ctx, &st);
     spw__ctx_describe_policy(ctx, policy, sizeof policy);
     spw__stats_print_table(&st, spw_ctx_backend(ctx), f);

@@ -53,7 +53,7 @@ typedef struct bs_run { /* one spillway run (one policy) */
     long split_k;               /* static split: resident layers chosen */
     int split_spread, split_tried; /* static split: placement (0 prefix, 1 spread); candidates timed */
     const char *split_placement;
-    char policy_state[256];     /* the policy's account of itself after the passes */
+    char policy_state[SPW__POLICY_DESCRIBE_MAX]; /* the policy's account of itself after the passes */
     double *layer_ms;           /* --layer-times: each product's start after its pass's start */
 } bs_run;
 
