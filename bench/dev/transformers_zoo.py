@@ -60,6 +60,12 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
 
     text = lambda g: dict(input_ids=ids(g))  # noqa: E731
     image = VOCAB - 1  # the vision-language models' image token: one per patch of the image (8 x 8), then text
+
+    def image_text(g: torch.Generator) -> Dict[str, Any]:
+        """A vision-language model's inputs: an image's 8 x 8 patch tokens, then 16 of text."""
+        t = ids(g, t=16).clamp_max(VOCAB - 2)
+        return dict(input_ids=torch.cat([torch.full((2, 64), image, device=DEV), t], 1),
+                    pixel_values=torch.randn(2, 3, 64, 64, device=DEV, generator=g))
     for mt, extra in (("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", dict(head_dim=64)),
                       ("gemma2", dict(head_dim=64, tie_word_embeddings=True)),
                       ("gemma3_text", dict(head_dim=64, sliding_window=32)), ("phi3", {}),
@@ -100,15 +106,11 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                     ffn_config={"ffn_hidden_size": 1024, "moe_num_experts": 4, "moe_top_k": 2}))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
 
-    def pali_inputs(g: torch.Generator) -> Dict[str, Any]:
-        t = ids(g, t=16).clamp_max(VOCAB - 2)
-        return dict(input_ids=torch.cat([torch.full((2, 64), image, device=DEV), t], 1),
-                    pixel_values=torch.randn(2, 3, 64, 64, device=DEV, generator=g))
     yield "paligemma", "causal", lambda: T.PaliGemmaConfig(
         vision_config=dict(model_type="siglip_vision_model", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                            num_attention_heads=4, image_size=64, patch_size=8, projection_dim=512),
         text_config=dict(model_type="gemma", **{**DEC, "head_dim": 64}), image_token_index=image,
-        projection_dim=512, attn_implementation="sdpa"), pali_inputs, "AutoModelForImageTextToText"
+        projection_dim=512, attn_implementation="sdpa"), image_text, "AutoModelForImageTextToText"
     yield "phi", "causal", cfg("phi", vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
                                num_attention_heads=8, **IDS), text, "AutoModelForCausalLM"
     yield "gptj", "causal", cfg("gptj", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, rotary_dim=32,
@@ -124,15 +126,11 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                                              state_size=64, n_groups=1, chunk_size=64, **IDS), \
         text, "AutoModelForCausalLM"
 
-    def llava_inputs(g: torch.Generator) -> Dict[str, Any]:
-        t = ids(g, t=16).clamp_max(VOCAB - 2)
-        return dict(input_ids=torch.cat([torch.full((2, 64), image, device=DEV), t], 1),
-                    pixel_values=torch.randn(2, 3, 64, 64, device=DEV, generator=g))
     yield "llava", "causal", lambda: T.LlavaConfig(
         vision_config=dict(model_type="clip_vision_model", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                            num_attention_heads=4, image_size=64, patch_size=8),
         text_config=dict(model_type="llama", **DEC), image_token_index=image, attn_implementation="sdpa"), \
-        llava_inputs, "AutoModelForImageTextToText"
+        image_text, "AutoModelForImageTextToText"
     yield "gpt2", "causal", cfg("gpt2", vocab_size=VOCAB, n_embd=512, n_layer=6, n_head=8, n_positions=1024, **IDS), \
         text, "AutoModelForCausalLM"
     yield "gpt_neox", "causal", cfg("gpt_neox", vocab_size=VOCAB, hidden_size=512, intermediate_size=2048,

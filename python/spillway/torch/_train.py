@@ -40,7 +40,7 @@ def check_optimizer(module: nn.Module, opt: Any, trainable: Dict[int, Tuple[str,
     names = {id(p): n for n, p in module.named_parameters()}
     for gi, group in enumerate(opt.param_groups):
         for pi, p in enumerate(group["params"]):
-            if id(p) in trainable or id(p) in names:
+            if id(p) in names:  # trainable or frozen: a parameter of the module
                 continue
             raise InvalidArgument(f"offload: the optimizer's parameter group {gi}, parameter {pi} is a "
                                   f"{tuple(p.shape)} tensor that is not a parameter of {type(module).__name__}; "
