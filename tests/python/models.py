@@ -257,6 +257,60 @@ def check_backward_composes(how: str, device: torch.device, **offload_args) -> N
     off.remove()
 
 
+# ---- quantized weights in a wrapper subclass (torchao's, optimum-quanto's) ----
+
+class WrappedInt8(torch.Tensor):
+    """An int8 weight with a scale per row, as torchao's and quanto's quantized tensors are: a
+    wrapper subclass with no storage of its own, whose data are two plain tensors it holds
+    (__tensor_flatten__ names them, __tensor_unflatten__ rebuilds it); linear dequantizes."""
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=scale.dtype, device=qdata.device)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        self.qdata, self.scale = qdata, scale
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "WrappedInt8":
+        scale = w.abs().amax(1) / 127
+        return cls(torch.round(w / scale[:, None]).to(torch.int8), scale)
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, size, stride):
+        return WrappedInt8(inner["qdata"], inner["scale"])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qdata.to(self.scale.dtype) * self.scale[:, None]
+
+    def __repr__(self) -> str:
+        return f"WrappedInt8({tuple(self.shape)}, {self.qdata.device})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w, b = (list(args) + [kwargs.get("bias")])[:3]
+            return F.linear(x, w.dequantize(), b)
+        with torch._C.DisableTorchFunction():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return WrappedInt8(args[0].qdata, args[0].scale)
+        raise NotImplementedError(f"WrappedInt8: {func}")
+
+
+def wrapped_linear(n: int) -> nn.Linear:
+    lin = nn.Linear(n, n)
+    lin.weight = nn.Parameter(WrappedInt8.quantize(lin.weight.detach()), requires_grad=False)
+    return lin
+
+
 # ---- quantized weights in a Parameter subclass (diffusers' GGUFParameter, bitsandbytes' Params4bit) ----
 
 class QuantParam(nn.Parameter):

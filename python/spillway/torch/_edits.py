@@ -34,7 +34,9 @@ class HostEdits:
     __slots__ = ("where", "tensors", "versions", "ptrs", "buffers")
 
     def __init__(self, units: Sequence[_Unit]) -> None:
-        self.where: Tuple[Tuple[_Unit, _Entry], ...] = tuple((u, e) for u in units if not u.trains for e in u.entries)
+        # a wrapper subclass's leaves are watched, each a tensor its parameter holds
+        self.where: Tuple[Tuple[_Unit, _Entry], ...] = tuple((u, p) for u in units if not u.trains for e in u.entries
+                                                             for p in (e.parts or (e,)))
         self.tensors = tuple(e.tensor for _, e in self.where)
         self.buffers = tuple(i for i, (_, e) in enumerate(self.where) if e.is_buffer)
         self.versions: List[int] = []

@@ -164,24 +164,28 @@ class Offload:
                 dset = _views.new_set(self, u)
             else:
                 dset = sets.pop(next(iter(sets)))
-            self._set_at(u, dset, ptr)
+            dset = self._set_at(u, dset, ptr)
         sets[ptr] = dset
         u.dev_at, u.dev_set, u.dev_ptrs = ptr, dset, tuple(map(_ptr, dset[0]))
         return dset
 
-    def _set_at(self, u: _Unit, dset: _DevSet, ptr: int) -> None:
-        """Point dset's tensors at u's device copy at ptr: one storage, a Tensor.set_ each."""
+    def _set_at(self, u: _Unit, dset: _DevSet, ptr: int) -> _DevSet:
+        """Point dset's tensors at u's device copy at ptr: one storage, a Tensor.set_ each.
+        Returns the set (with its wrapper entries' tensors built, the first time)."""
         storage = _storage_at(ptr, u.nbytes, self.device)
         # no_grad: leaves that require grad (offloaded trainable parameters) too; no torch
         # function: a tensor of a Parameter subclass (_views._empty_like) is set, not converted
         with torch.no_grad(), _no_torch_function():
-            for e, d in zip(u.entries, dset[0]):
+            for e, d in zip(u.pieces, dset[0]):
                 d.set_(storage, e.elem_offset, e.shape, e.stride)
+        if u.wrapped and any(v is None for v in dset[1][2]):
+            dset = _views.complete(u, dset)
+        return dset
 
     def _repoint(self, u: _Unit) -> None:
         """After a forward that replaced what u's device tensors hold (see _Unit.dev_ptrs): point
         them back at u's device copy."""
-        self._set_at(u, u.dev_set, u.dev_at)
+        u.dev_set = u.dev_sets[u.dev_at] = self._set_at(u, u.dev_set, u.dev_at)
         self.view_repairs += 1
 
     def _acquire_raw(self, u: Any, stream: Optional[int], mode: int = _READ) -> int:

@@ -30,6 +30,8 @@ from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
 
 from torch import nn
 
+from . import _wrapped
+
 Group = List[nn.Module]  # modules whose tensors form one unit
 
 _LO_MAX = 64 << 20  # units of this size already make a hook's host time a small part of the upload
@@ -84,9 +86,9 @@ def subtree_bytes(module: nn.Module, skip: Set[int]) -> Dict[int, int]:
         ids: Dict[int, int] = {}
         for t in m.parameters(recurse=True):
             if id(t) not in skip:
-                ids[id(t)] = t.numel() * t.element_size()
+                ids[id(t)] = _wrapped.nbytes(t)
         for t in m.buffers(recurse=True):
-            ids[id(t)] = t.numel() * t.element_size()
+            ids[id(t)] = _wrapped.nbytes(t)
         out[id(m)] = sum(ids.values())
         return set(ids)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import errors as _errors
 from ..errors import ConfigError
-from . import _added, _methods, _parallel, _train
+from . import _added, _methods, _parallel, _train, _wrapped
 from ._setup import ACTIVE
 
 
@@ -91,6 +91,14 @@ def wrap_forward(off: Any, m: nn.Module, forward: Any) -> None:
     m.forward = wrapped  # type: ignore[method-assign]
 
 
+def _fresh(e: Any) -> torch.Tensor:
+    """A copy of entry e's host view in its own memory, where and as the tensor was at offload()."""
+    fresh = torch.empty_strided(e.shape, e.orig_stride, dtype=e.dtype, device=e.orig_device)
+    with torch.no_grad():
+        fresh.copy_(e.host_view)
+    return fresh
+
+
 def undo(off: Any) -> None:
     """Restore whatever was moved so far (also the rollback of a failed offload())."""
     if getattr(off, "_open_step", False):
@@ -133,12 +141,13 @@ def undo(off: Any) -> None:
         off._orig_class = None
     for u in off.units:
         for e in u.entries:
+            if e.parts and e.parts[0].host_view is not None:
+                _wrapped.set_leaves(e.tensor, e.tree, [_fresh(p) for p in e.parts])
+                for p in e.parts:
+                    p.host_view = None
             if e.host_view is None:
                 continue
-            fresh = torch.empty_strided(e.shape, e.orig_stride, dtype=e.dtype, device=e.orig_device)
-            with torch.no_grad():
-                fresh.copy_(e.host_view)
-            e.tensor.data = fresh
+            e.tensor.data = _fresh(e)
             e.host_view = None
         u.host_pairs = ()
         u.dev_set, u.dev_sets, u.dev_ptrs = None, {}, ()

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _partition
+from . import _partition, _wrapped
 
 _ALIGN = 256  # offset alignment of each tensor inside its unit's pack
 _SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
@@ -21,8 +21,7 @@ def _align(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+_nbytes = _wrapped.nbytes
 
 
 class _CudaMemory:
@@ -62,16 +61,23 @@ def _storage_at(ptr: int, nbytes: int, device: torch.device) -> Any:
 
 
 class _Entry:
-    """One offloaded tensor: where it lives in its unit and how to restore it."""
+    """One offloaded tensor: where it lives in its unit and how to restore it. A tensor of a
+    wrapper subclass (_wrapped) is an entry whose parts are its leaves, each an entry of its own
+    in the unit's pieces; its host_view is None."""
 
     __slots__ = ("tensor", "name", "offset", "nbytes", "dtype", "shape", "orig_stride", "orig_device",
-                 "is_buffer", "host_view", "elem_offset", "stride")
+                 "is_buffer", "host_view", "elem_offset", "stride", "parts", "tree")
 
     def __init__(self, tensor: torch.Tensor, name: str, is_buffer: bool) -> None:
         self.tensor = tensor
         self.name = name
         self.offset = 0
-        self.nbytes = _nbytes(tensor)
+        self.parts: Tuple["_Entry", ...] = ()
+        self.tree: Any = None
+        if not is_buffer and _wrapped.is_wrapper(tensor):
+            self.tree, leaves = _wrapped.flatten(tensor)
+            self.parts = tuple(_Entry(x, f"{name}.{path}", False) for path, x in leaves)
+        self.nbytes = sum(p.nbytes for p in self.parts) if self.parts else _nbytes(tensor)
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.orig_stride = tuple(tensor.stride())
@@ -85,14 +91,16 @@ class _Entry:
 class _Unit:
     """One spillway buffer holding the packed tensors of a block or module."""
 
-    __slots__ = ("name", "index", "entries", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
+    __slots__ = ("name", "index", "entries", "pieces", "buffer_entries", "nbytes", "pack", "buf", "handle", "refs",
                  "stream", "devptr", "versions", "host_pairs", "dev_set", "dev_at", "dev_sets", "slot_plan", "trains",
-                 "live", "dev_ptrs")
+                 "live", "dev_ptrs", "wrapped")
 
     def __init__(self, name: str, index: int) -> None:
         self.name = name
         self.index = index
         self.entries: List[_Entry] = []
+        # the plain tensors packed and pointed at: each entry, or the parts of a wrapper's
+        self.pieces: List[_Entry] = []
         self.buffer_entries: List[_Entry] = []  # non-parameters: checked for in-place writes
         self.nbytes = 0
         self.pack: Optional[torch.Tensor] = None
@@ -125,11 +133,19 @@ class _Unit:
         # hold during that acquisition (parallel to the set's slot columns), None otherwise.
         self.trains = False
         self.live: Optional[Tuple[torch.Tensor, ...]] = None
+        # Whether an entry is a wrapper subclass's: its device tensor is rebuilt over the device
+        # pieces once they point somewhere (_views.complete).
+        self.wrapped = False
 
     def add(self, entry: _Entry) -> None:
-        entry.offset = _align(self.nbytes)
-        entry.elem_offset = entry.offset // entry.tensor.element_size()
-        self.nbytes = entry.offset + entry.nbytes
+        for piece in entry.parts or (entry,):
+            piece.offset = _align(self.nbytes)
+            piece.elem_offset = piece.offset // piece.tensor.element_size()
+            self.nbytes = piece.offset + piece.nbytes
+            self.pieces.append(piece)
+        if entry.parts:
+            entry.offset = entry.parts[0].offset
+            self.wrapped = True
         self.entries.append(entry)
         if entry.is_buffer:
             self.buffer_entries.append(entry)

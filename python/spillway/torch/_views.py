@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from . import _wrapped
 from ._device import _PAGE
 from ._errors import _needs_grad
 from ._units import _DevSet, _Unit, _align, _columns
@@ -26,7 +27,7 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
     reg = _align(u.nbytes, _PAGE)
     mem = mmap.mmap(-1, reg, flags=mmap.MAP_PRIVATE)  # anonymous, private to the process
     pack = torch.frombuffer(mem, dtype=torch.uint8)
-    for e in u.entries:
+    for e in u.pieces:
         view = own_storage(mem, e.offset, e.nbytes, e.dtype, e.shape)
         with torch.no_grad():
             view.copy_(e.tensor.data)
@@ -48,7 +49,12 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
     u.dev_set, u.dev_at = new_set(off, u), 0
     u.dev_sets = {0: u.dev_set}
     for e in u.entries:
-        e.tensor.data = e.host_view
+        if e.parts:  # the wrapper holds the host copies of its leaves, which are watched for edits
+            _wrapped.set_leaves(e.tensor, e.tree, [p.host_view for p in e.parts])
+            for p in e.parts:
+                p.tensor = p.host_view
+        else:
+            e.tensor.data = e.host_view
 
 
 def new_set(off: Any, u: _Unit) -> _DevSet:
@@ -58,14 +64,41 @@ def new_set(off: Any, u: _Unit) -> _DevSet:
     unit's device tensors do not require grad: its gradients go to the host Parameters
     through _train.ToHost."""
     with torch.inference_mode(False):
-        devs = tuple(_empty_like(e, off.device) for e in u.entries)
-        for e, d in zip(u.entries, devs):
+        devs = tuple(_empty_like(e, off.device) for e in u.pieces)
+        for e, d in zip(u.pieces, devs):
             if e.tensor.requires_grad and not off._train:  # offloaded for inference: a backward that needs it says so
                 d.requires_grad_(True)
                 off._grad_hooks.append(d.register_hook(_needs_grad(e.name)))
+    return _with_slots(u, devs, _objects(u, devs, None))
+
+
+def complete(u: _Unit, dset: _DevSet) -> _DevSet:
+    """dset with the device tensor of each wrapper entry rebuilt over its pieces, once they
+    point at u's device copy (a subclass's constructor may read its leaves' shapes)."""
+    devs = dset[0]
+    return _with_slots(u, devs, _objects(u, devs, _wrapped.rebuild))
+
+
+def _objects(u: _Unit, devs: Tuple[torch.Tensor, ...], rebuild: Any) -> List[Any]:
+    """The device tensor of each entry of u: its piece's, or for a wrapper's entry one rebuilt
+    over its pieces' (None while rebuild is None)."""
+    out: List[Any] = []
+    at = 0
+    for e in u.entries:
+        if e.parts:
+            n = len(e.parts)
+            out.append(rebuild(e.tree, devs[at:at + n], like=e.tensor) if rebuild is not None else None)
+            at += n
+        else:
+            out.append(devs[at])
+            at += 1
+    return out
+
+
+def _with_slots(u: _Unit, devs: Tuple[torch.Tensor, ...], objs: List[Any]) -> _DevSet:
     slots, bufs = u.slot_plan
-    return (devs, _columns(((d, k, devs[i], u.entries[i].tensor) for d, k, i in slots), 4),
-            tuple((u.entries[i].tensor, devs[i]) for i in bufs))
+    return (devs, _columns(((d, k, objs[i], u.entries[i].tensor) for d, k, i in slots), 4),
+            tuple((u.entries[i].tensor, objs[i]) for i in bufs))
 
 
 def _empty_like(e: Any, device: torch.device) -> torch.Tensor:
