@@ -300,8 +300,11 @@ class WrappedInt8(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
+        aten = torch.ops.aten
+        if func is aten.detach.default:
             return WrappedInt8(args[0].qdata, args[0].scale)
+        if func is aten.clone.default:
+            return WrappedInt8(args[0].qdata.clone(), args[0].scale.clone())
         raise NotImplementedError(f"WrappedInt8: {func}")
 
 
