@@ -308,9 +308,39 @@ class WrappedInt8(torch.Tensor):
         raise NotImplementedError(f"WrappedInt8: {func}")
 
 
-def wrapped_linear(n: int) -> nn.Linear:
+class NestedInt8(WrappedInt8):
+    """A wrapper holding a wrapper, as torchao's AffineQuantizedTensor holds its tensor_impl."""
+
+    @staticmethod
+    def __new__(cls, impl: WrappedInt8):
+        return torch.Tensor._make_wrapper_subclass(cls, impl.shape, dtype=impl.dtype, device=impl.device)
+
+    def __init__(self, impl: WrappedInt8) -> None:
+        self.impl = impl
+
+    def __tensor_flatten__(self):
+        return ["impl"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, size, stride):
+        return NestedInt8(inner["impl"])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.impl.dequantize()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return NestedInt8(args[0].impl)
+        if func is torch.ops.aten.clone.default:
+            return NestedInt8(WrappedInt8(args[0].impl.qdata.clone(), args[0].impl.scale.clone()))
+        raise NotImplementedError(f"NestedInt8: {func}")
+
+
+def wrapped_linear(n: int, nested: bool = False) -> nn.Linear:
     lin = nn.Linear(n, n)
-    lin.weight = nn.Parameter(WrappedInt8.quantize(lin.weight.detach()), requires_grad=False)
+    w = WrappedInt8.quantize(lin.weight.detach())
+    lin.weight = nn.Parameter(NestedInt8(w) if nested else w, requires_grad=False)
     return lin
 
 

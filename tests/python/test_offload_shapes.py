@@ -19,7 +19,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 import spillway
 import spillway.torch as spt
-from models import QuantLinear, QuantParam, WrappedInt8, moved, offloaded_bytes, wrapped_linear
+from models import NestedInt8, QuantLinear, QuantParam, WrappedInt8, moved, offloaded_bytes, wrapped_linear
 
 MiB = 1 << 20
 
@@ -759,41 +759,44 @@ def test_quantized_weights_in_a_parameter_subclass_keep_their_class_and_attribut
         assert type(m[0].weight) is QuantParam and torch.equal(m(x), ref)
 
 
-def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves():
+@pytest.mark.parametrize("nested", [False, True])
+def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
     """torchao's and quanto's quantized weights are wrapper subclasses: their data are plain
     tensors they hold. Those move (int8 and scales, not the weights' logical float32 size);
     while its unit is acquired a module's weight is one of the subclass rebuilt over the
     device copies, between forwards the same Parameter object holding the host copies. An
     in-place edit of a leaf is uploaded by the next forward; remove() gives the model back."""
     torch.manual_seed(0)
-    m = nn.Sequential(*[wrapped_linear(1024) for _ in range(12)]).requires_grad_(False)  # 12 MiB of int8
+    m = nn.Sequential(*[wrapped_linear(1024, nested) for _ in range(12)]).requires_grad_(False)  # 12 MiB of int8
     x = torch.randn(4, 1024)
     with torch.no_grad():
         ref = m(x)
     host = m[3].weight
-    qdata = host.qdata
+    leaf = (lambda w: w.impl.qdata) if nested else (lambda w: w.qdata)
+    qdata = leaf(host)
     seen = []
     m[3].register_forward_pre_hook(lambda mod, args: seen.append(
-        (type(mod.weight), mod.weight is host, mod.weight.qdata.data_ptr())))
+        (type(mod.weight), mod.weight is host, leaf(mod.weight).data_ptr())))
     off = spt.offload(m, budget="6MiB", backend="emu", vmm="on")
     stored = offloaded_bytes(off)
     assert 12 * MiB < stored < 13 * MiB  # int8 and float32 scales and biases: not 48 MiB of float32
     with torch.no_grad():
         out, per_step = run_steps(off, lambda: m(x), steps=4)
     assert torch.equal(out, ref) and per_step >= stored - 6 * MiB
-    assert m[3].weight is host and type(host) is WrappedInt8
-    assert host.qdata is not qdata and torch.equal(host.qdata, qdata)  # the host copy, in the pack
+    cls = NestedInt8 if nested else WrappedInt8
+    assert m[3].weight is host and type(host) is cls
+    assert leaf(host) is not qdata and torch.equal(leaf(host), qdata)  # the host copy, in the pack
     pack = next(u for u in off.units if any(e.tensor is host for e in u.entries)).pack
-    assert pack.data_ptr() <= host.qdata.data_ptr() < pack.data_ptr() + pack.numel()
-    assert [(t, same) for t, same, _ in seen] == [(WrappedInt8, False)] * 4
+    assert pack.data_ptr() <= leaf(host).data_ptr() < pack.data_ptr() + pack.numel()
+    assert [(t, same) for t, same, _ in seen] == [(cls, False)] * 4
     assert all(not (pack.data_ptr() <= p < pack.data_ptr() + pack.numel()) for _, _, p in seen)  # device copies
     with torch.no_grad():
-        host.qdata.neg_()  # an edit in place, uploaded by the next forward
+        leaf(host).neg_()  # an edit in place, uploaded by the next forward
         edited = m(x)
-        host.qdata.neg_()
+        leaf(host).neg_()
         assert not torch.equal(edited, ref) and torch.equal(m(x), ref)
     off.remove()
-    assert m[3].weight is host and type(host) is WrappedInt8 and torch.equal(host.qdata, qdata)
+    assert m[3].weight is host and type(host) is cls and torch.equal(leaf(host), qdata)
     with torch.no_grad():
         assert torch.equal(m(x), ref)
 
