@@ -94,12 +94,15 @@ def format_size(n: int) -> str:
     return f"-{text}" if n < 0 else text
 
 
-def _caller_level() -> int:
-    """warnings.warn's stacklevel, from its caller, of the first frame outside this package (the
-    user's line, also when the call came through spillway.torch)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+def _caller_level(*also: str) -> int:
+    """warnings.warn's stacklevel, from its caller, of the first frame outside this package and
+    the packages named in also, those imported (the user's line, also when the call came
+    through spillway.torch, or from torch's autograd into a hook of ours)."""
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    dirs += [os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in map(sys.modules.get, also)
+             if m is not None and getattr(m, "__file__", None)]
     frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(dirs)):
         frame, level = frame.f_back, level + 1
     return level
 

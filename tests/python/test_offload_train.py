@@ -15,6 +15,7 @@ from torch import nn
 
 import spillway
 import spillway.torch as spt
+import models
 from models import GEGLU, fail_at_call, make_decoder, moved, offloaded_bytes, step_pair, wrapped_linear
 
 MiB = 1 << 20
@@ -724,9 +725,10 @@ def test_an_activation_the_budget_has_no_room_for_stays_pytorchs():
     def batches(step: int) -> List[torch.Tensor]:  # chunks of 2.34 MiB, in a 2 MiB budget
         return [torch.randn(2, 600, 128, generator=torch.Generator().manual_seed(300 + step))]
 
-    with pytest.warns(UserWarning, match="does not fit the budget beside the weights"):
+    with pytest.warns(UserWarning, match="does not fit the budget beside the weights") as seen:
         off = train(m, ref, lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9), batches, mse,
                     budget="2MiB")
+    assert seen[0].filename == models.__file__  # the line of the model's code that saved it
     h = off.stats()["offload"]
     assert h["activations_refused"] >= 3 and h["activations_refused"] == len(off._stash_refused)
     assert "left in PyTorch's memory" in off.summary()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 import torch
 
 from .. import _lib
-from ..core import format_size
+from ..core import _caller_level, format_size
 from ..errors import StateError, error_for
 from ._errors import OutOfMemoryError
 from ._units import _Unit, _storage_at
@@ -336,7 +336,7 @@ def stash(off: "Offload", t: torch.Tensor) -> Any:
             warnings.warn(f"spillway: an activation saved for backward ({format_size(nbytes)}) does not fit the "
                           "budget beside the weights the step holds at once; it and any other such stay in "
                           "PyTorch's memory, outside the budget (raise the budget, or pass recompute=True)",
-                          stacklevel=2)
+                          stacklevel=_caller_level("torch"))
         return t  # rec goes: its buffer returns to the spares
     try:
         dev = torch.empty(0, dtype=t.dtype, device=off.device).set_(_storage_at(ptr, nbytes, off.device), 0, rec.size)
