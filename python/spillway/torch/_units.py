@@ -222,6 +222,12 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
                 used.append(u)
         return used
 
+    def prefix(mod: nn.Module) -> str:  # of its tensors' names: none for the top level's own
+        return "" if mod is module else names.get(id(mod), "")
+
+    def label(mod: nn.Module) -> str:
+        return names.get(id(mod)) or type(mod).__name__
+
     def hook(mod: nn.Module, used: List[_Unit]) -> None:
         if used and id(mod) not in needs:
             needs[id(mod)] = used
@@ -239,10 +245,10 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
     for m in module.modules():
         read = _partition.children_read(m) if id(m) not in in_group else []
         if read:
-            u = _Unit(names.get(id(m), "") or type(m).__name__, len(units))
-            claim(u, m, names.get(id(m), "") if m is not module else "", False)  # its own first
+            u = _Unit(label(m), len(units))
+            claim(u, m, prefix(m), False)  # its own first
             for c in read:
-                claim(u, c, names.get(id(c), ""), False)
+                claim(u, c, prefix(c), False)
             if u.entries:
                 units.append(u)
                 hook(m, [u])
@@ -257,7 +263,7 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
         # small: below _SMALL and below 1/64 of the group (a norm or a bias beside its weights)
         limit = min(_SMALL, sum(sizes) // 64)
         big = any(n >= _SMALL for n in sizes)
-        used_by = [claim(u, b, names.get(id(b), "") if b is not module else "", True, small if big else None, limit)
+        used_by = [claim(u, b, prefix(b), True, small if big else None, limit)
                    for b in g]
         if u.entries:
             units.append(u)
@@ -268,8 +274,8 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
         units.append(small)
     for m in module.modules():
         if id(m) not in in_group:
-            u = _Unit(names.get(id(m), type(m).__name__), len(units))
-            used = claim(u, m, names.get(id(m), "") if m is not module else "", False)
+            u = _Unit(label(m), len(units))
+            used = claim(u, m, prefix(m), False)
             if u.entries:
                 units.append(u)
             hook(m, used)
