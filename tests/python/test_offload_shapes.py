@@ -991,6 +991,21 @@ def test_a_tensor_read_two_modules_down_is_held_by_the_reader():
     assert _partition.children_read(r) == [r.head.proj]
 
 
+def test_a_tensor_read_by_getattr_with_a_written_name_is_held_by_the_reader():
+    from spillway.torch import _partition
+
+    class Reader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, getattr(self.a, "weight"), getattr(self.b, 'bias')) + self.c(x)
+
+    r = Reader()
+    assert _partition.children_read(r) == [r.a, r.b]
+
+
 class Wrapped(nn.Module):
     """An adapter wrapper as peft's LoRA layers are: .weight answers with its base layer's."""
 
