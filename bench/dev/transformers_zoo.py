@@ -20,7 +20,12 @@ hybrid models (Mamba, Mamba-2, Jamba), a vision-language model (LLaVA), encoder-
 BART, Whisper) and encoders (BERT, ViT, CLIP). transformers is not on Debian: this runs where it is installed (the GPU machine).
 
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \\
-        python3 bench/dev/transformers_zoo.py [--checks forward,generate,train,lora] [NAME ...]
+        python3 bench/dev/transformers_zoo.py [--checks forward,generate,train,lora]
+            [--quant torchao-int8|bnb-nf4] [NAME ...]
+
+--quant quantizes every model's linear layers before the twins part (torchao's int8 weight-only
+tensors, wrapper subclasses; bitsandbytes' NF4 layers, a Parameter subclass): the budget is a
+fraction of the quantized bytes, and the train check is left out.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS sta
 import torch  # noqa: E402
 
 import spillway.torch as spt  # noqa: E402
+from spillway.torch import _wrapped  # noqa: E402
 
 MiB = 1 << 20
 DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -186,17 +192,43 @@ def loss_of(out: Any) -> torch.Tensor:
     return first(out).float().square().mean()
 
 
+QUANT: str = ""  # --quant: how build() quantizes each model's linear layers
+
+
 def build(config: Callable[[], Any], auto: str) -> torch.nn.Module:
     import transformers as T
     torch.manual_seed(0)
     with torch.device(DEV):
         cls = getattr(T, auto)
         model = cls.from_config(config()) if auto.startswith("Auto") else cls(config())
+    if QUANT:
+        quantize(model.requires_grad_(False), QUANT)
     return model.eval()
 
 
+def quantize(model: torch.nn.Module, how: str) -> None:
+    """torchao-int8: torchao's int8 weight-only quantize_ (wrapper subclasses); bnb-nf4:
+    bitsandbytes' 4-bit layers (a Parameter subclass) in place of every Linear but the head."""
+    if how == "torchao-int8":
+        import torchao.quantization as ao
+        cfg = getattr(ao, "Int8WeightOnlyConfig", None)
+        ao.quantize_(model, cfg() if cfg is not None else ao.int8_weight_only())
+        return
+    import bitsandbytes as bnb
+    for parent in list(model.modules()):
+        for key, lin in list(parent._modules.items()):
+            if type(lin) is not torch.nn.Linear or key == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                  compute_dtype=lin.weight.dtype, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+            if lin.bias is not None:
+                q.bias = torch.nn.Parameter(lin.bias.data.cpu(), requires_grad=False)
+            parent._modules[key] = q.to(DEV)  # quantized by the move
+
+
 def budget_of(model: torch.nn.Module, fraction: float) -> Tuple[int, int]:
-    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    total = sum(map(_wrapped.nbytes, list(model.parameters()) + list(model.buffers())))
     return total, int(total * fraction) // (2 * MiB) * (2 * MiB)
 
 
@@ -276,7 +308,7 @@ def check_lora(name, kind, config, inputs, auto, args) -> Dict[str, Any]:
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     model = copy.deepcopy(ref)
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    frozen = sum(_wrapped.nbytes(p) for p in model.parameters() if not p.requires_grad)
     budget = int(frozen * args.fraction) // (2 * MiB) * (2 * MiB)
     off = spt.offload(model, budget=budget)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in (model, ref)]
@@ -306,8 +338,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--activations", default=None, type=lambda v: {"on": True, "off": False}[v],
                     help="offload()'s activations for the train check (on, off; default: its own)")
+    ap.add_argument("--quant", default="", choices=["", "torchao-int8", "bnb-nf4"],
+                    help="quantize each model's linear layers first (forward, generate and lora checks)")
     args = ap.parse_args()
     args.checks = set(args.checks.split(","))
+    global QUANT
+    QUANT = args.quant
+    if QUANT:
+        args.checks.discard("train")  # quantized weights are not trained
     import transformers
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

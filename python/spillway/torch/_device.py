@@ -10,6 +10,7 @@ import torch
 from .. import errors as _errors
 from ..core import _option_text, parse_size
 from ..errors import ConfigError
+from . import _wrapped
 
 _PAGE = 4096
 _ARENA_PAGE = 2 << 20  # the arena's mapping granularity (2 MiB on emu and CUDA)
@@ -79,7 +80,7 @@ def _device_memory(backend: str, dev: torch.device, tensors: Iterable[torch.Tens
             raise ConfigError(f"offload: option 'emu_capacity': {e.message}") from None
         return free, free
     free, total = torch.cuda.mem_get_info(dev)
-    free += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t.device == dev)
+    free += sum(map(_wrapped.nbytes, (t for t in {id(t): t for t in tensors}.values() if t.device == dev)))
     ctx_opts.setdefault("device", dev.index)
     if conf_option(ctx_opts, "prefetch_thread") is None:
         ctx_opts["prefetch_thread"] = "on"
