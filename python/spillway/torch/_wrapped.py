@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 # How a wrapper is put back together: (its class, the context __tensor_flatten__ gave, the names
-# of its inner tensors, for each name a leaf index or a nested _Tree, its size and stride).
+# of its inner tensors, for each name a leaf index, a nested _Tree or None, its size and stride).
 _Tree = Tuple[type, Any, Tuple[str, ...], Tuple[Any, ...], Tuple[int, ...], Tuple[int, ...]]
 
 _swap = getattr(torch.utils, "swap_tensors", None)
@@ -35,7 +35,9 @@ def flatten(t: torch.Tensor) -> Tuple[_Tree, List[Tuple[str, torch.Tensor]]]:
         kids: List[Any] = []
         for n in names:
             inner = getattr(x, n)
-            if is_wrapper(inner):
+            if inner is None:  # an optional tensor it does not have: rebuilt as None
+                kids.append(None)
+            elif is_wrapper(inner):
                 kids.append(walk(inner, f"{prefix}{n}."))
             else:
                 kids.append(len(leaves))
@@ -58,7 +60,8 @@ def rebuild(tree: _Tree, leaves: Sequence[torch.Tensor], like: Optional[torch.Te
     whose other attributes (those its flatten does not name) the result takes too."""
     def build(node: _Tree) -> torch.Tensor:
         cls, ctx, names, kids, size, stride = node
-        inner: Dict[str, torch.Tensor] = {n: (leaves[k] if isinstance(k, int) else build(k)) for n, k in zip(names, kids)}
+        inner: Dict[str, Any] = {n: (leaves[k] if isinstance(k, int) else None if k is None else build(k))
+                                 for n, k in zip(names, kids)}
         return cls.__tensor_unflatten__(inner, ctx, size, stride)
 
     out = build(tree)
@@ -88,7 +91,7 @@ def set_leaves(t: torch.Tensor, tree: _Tree, leaves: Sequence[torch.Tensor]) -> 
         for n, k in zip(node[2], node[3]):
             if isinstance(k, int):
                 setattr(x, n, leaves[k])
-            else:
+            elif k is not None:
                 walk(getattr(x, n), k)
 
     walk(t, tree)
