@@ -305,6 +305,10 @@ class WrappedInt8(torch.Tensor):
             return WrappedInt8(args[0].qdata, args[0].scale)
         if func is aten.clone.default:
             return WrappedInt8(args[0].qdata.clone(), args[0].scale.clone())
+        if func is aten.copy_.default:  # load_state_dict: the data copied in place
+            args[0].qdata.copy_(args[1].qdata)
+            args[0].scale.copy_(args[1].scale)
+            return args[0]
         raise NotImplementedError(f"WrappedInt8: {func}")
 
 
@@ -334,6 +338,10 @@ class NestedInt8(WrappedInt8):
             return NestedInt8(args[0].impl)
         if func is torch.ops.aten.clone.default:
             return NestedInt8(WrappedInt8(args[0].impl.qdata.clone(), args[0].impl.scale.clone()))
+        if func is torch.ops.aten.copy_.default:
+            args[0].impl.qdata.copy_(args[1].impl.qdata)
+            args[0].impl.scale.copy_(args[1].impl.scale)
+            return args[0]
         raise NotImplementedError(f"NestedInt8: {func}")
 
 

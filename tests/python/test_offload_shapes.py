@@ -768,6 +768,7 @@ def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
     in-place edit of a leaf is uploaded by the next forward; remove() gives the model back."""
     torch.manual_seed(0)
     m = nn.Sequential(*[wrapped_linear(1024, nested) for _ in range(12)]).requires_grad_(False)  # 12 MiB of int8
+    m_state = copy.deepcopy(m.state_dict())
     x = torch.randn(4, 1024)
     with torch.no_grad():
         ref = m(x)
@@ -795,6 +796,18 @@ def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
         edited = m(x)
         leaf(host).neg_()
         assert not torch.equal(edited, ref) and torch.equal(m(x), ref)
+    # load_state_dict: the subclass's copy_ writes the leaves below autograd, where their
+    # version counters stay; the wrapper's own moves
+    torch.manual_seed(1)
+    other = nn.Sequential(*[wrapped_linear(1024, nested) for _ in range(12)]).requires_grad_(False)
+    m.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(m(x), other(x))
+    m.load_state_dict(copy.deepcopy(m).state_dict())  # a deep copy of an offloaded model reads its host copies
+    with torch.no_grad():
+        assert torch.equal(m(x), other(x))
+        m.load_state_dict(m_state)
+        assert torch.equal(m(x), ref)
     off.remove()
     assert m[3].weight is host and type(host) is cls and torch.equal(leaf(host), qdata)
     with torch.no_grad():

@@ -11,7 +11,12 @@ or its detached views) and its data pointer (a .data assignment). An in-place op
 itself (`w.data += d`) bumps neither and is not seen: do it under torch.no_grad() on the
 parameter, or call Offload.refresh_weights(). peft's adapter layers merge that way; _adapters
 handles them. The units an optimizer= trains are refreshed by its step instead and are not
-watched."""
+watched.
+
+A weight of a wrapper subclass (_wrapped) is watched through its leaves and its own version
+counter: its copy_ (load_state_dict) runs below autograd, in its __torch_dispatch__, where the
+leaves' counters do not move, but the wrapper's does. A leaf it replaced rather than wrote is
+then copied into the pack."""
 from __future__ import annotations
 
 import operator
@@ -21,6 +26,7 @@ import torch
 
 from .. import _lib
 from ..errors import ConfigError, error_for
+from . import _wrapped
 from ._units import _Entry, _Unit
 
 _version = operator.attrgetter("_version")
@@ -31,7 +37,7 @@ class HostEdits:
     """The watched tensors of an offload's units and what they were when the last forward
     ended (mark)."""
 
-    __slots__ = ("where", "tensors", "versions", "ptrs", "buffers")
+    __slots__ = ("where", "tensors", "versions", "ptrs", "buffers", "wrapped", "wrappers", "wrapper_versions")
 
     def __init__(self, units: Sequence[_Unit]) -> None:
         # a wrapper subclass's leaves are watched, each a tensor its parameter holds
@@ -39,13 +45,17 @@ class HostEdits:
                                                              for p in (e.parts or (e,)))
         self.tensors = tuple(e.tensor for _, e in self.where)
         self.buffers = tuple(i for i, (_, e) in enumerate(self.where) if e.is_buffer)
+        self.wrapped = tuple((u, e) for u in units if not u.trains for e in u.entries if e.parts)
+        self.wrappers = tuple(e.tensor for _, e in self.wrapped)
         self.versions: List[int] = []
         self.ptrs: List[int] = []
+        self.wrapper_versions: List[int] = []
         self.mark()
 
     def mark(self) -> None:
         self.versions = list(map(_version, self.tensors))
         self.ptrs = list(map(_ptr, self.tensors))
+        self.wrapper_versions = list(map(_version, self.wrappers))
 
     def forward_ended(self) -> None:
         """After a forward: the versions of the buffers it may have written in place (written
@@ -58,13 +68,24 @@ class HostEdits:
         """The units with a tensor edited since mark(); a replaced .data is copied into the pack
         first (ConfigError, changing nothing, if its shape or dtype differs)."""
         vs, ps = list(map(_version, self.tensors)), list(map(_ptr, self.tensors))
-        if vs == self.versions and ps == self.ptrs:
+        ws = list(map(_version, self.wrappers))
+        if vs == self.versions and ps == self.ptrs and ws == self.wrapper_versions:
             return []
+        edited = [(u, e, _replaced_leaves(e)) for (u, e), w, w0 in zip(self.wrapped, ws, self.wrapper_versions)
+                  if w != w0]
         changed = [i for i, (v, p, v0, p0) in enumerate(zip(vs, ps, self.versions, self.ptrs)) if v != v0 or p != p0]
         for i in changed:
             if ps[i] != self.ptrs[i]:
                 _check_shape(self.where[i][1])
         units: List[_Unit] = []
+        for u, e, replaced in edited:
+            if replaced:
+                with torch.no_grad():
+                    for p, x in replaced:
+                        p.host_view.copy_(x)
+                _wrapped.set_leaves(e.tensor, e.tree, [p.host_view for p in e.parts])
+            if u not in units:
+                units.append(u)
         for i in changed:
             u, e = self.where[i]
             if ps[i] != self.ptrs[i]:
@@ -75,6 +96,18 @@ class HostEdits:
                 units.append(u)
         self.mark()
         return units
+
+
+def _replaced_leaves(e: _Entry) -> List[Tuple[_Entry, torch.Tensor]]:
+    """(part, the tensor wrapper entry e holds in its place) for each leaf e now holds in place
+    of its host copy; ConfigError if one's shape or dtype differs from its part's."""
+    leaves = [x for _, x in _wrapped.flatten(e.tensor)[1]]
+    out = [(p, x) for p, x in zip(e.parts, leaves) if x is not p.host_view]
+    for p, x in out:
+        if tuple(x.shape) != p.shape or x.dtype != p.dtype:
+            raise ConfigError(f"offload: {p.name} was replaced by a {x.dtype} tensor of shape {tuple(x.shape)}, "
+                              f"where the offload holds {p.dtype} {p.shape}; remove() the offload and offload again")
+    return out
 
 
 def _check_shape(e: _Entry) -> None:
