@@ -746,6 +746,7 @@ def test_quantized_weights_in_a_parameter_subclass_keep_their_class_and_attribut
         out, per_step = run_steps(off, lambda: m(x), steps=4)
     assert torch.equal(out, ref) and per_step >= offloaded_bytes(off) - 6 * MiB
     assert seen == [(QuantParam, False)] * 4  # a device copy of the Parameter's class
+    assert "12 QuantParam (12.00 MiB)" in off.summary()
     assert type(m[0].weight) is QuantParam and m[0].weight.scale == 1 / 64  # the host Parameter between forwards
     m[5].weight.scale = 1 / 32
     with torch.no_grad():
@@ -785,6 +786,7 @@ def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
         out, per_step = run_steps(off, lambda: m(x), steps=4)
     assert torch.equal(out, ref) and per_step >= stored - 6 * MiB
     cls = NestedInt8 if nested else WrappedInt8
+    assert f"12 {cls.__name__} (12.05 MiB, moved as their data and scales)" in off.summary()
     assert m[3].weight is host and type(host) is cls
     assert leaf(host) is not qdata and torch.equal(leaf(host), qdata)  # the host copy, in the pack
     pack = next(u for u in off.units if any(e.tensor is host for e in u.entries)).pack

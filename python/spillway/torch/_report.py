@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import torch
+
 from ..core import format_size
 from . import _train
 
@@ -131,6 +133,28 @@ def _budget_text(off: Any) -> str:
     return what
 
 
+def _subclass_line(off: Any) -> str:
+    """The offloaded weights of tensor subclasses (quantized checkpoints), by class: how many,
+    their bytes, and for wrapper subclasses that they move as their leaves."""
+    by: Dict[str, List[int]] = {}
+    wrappers = set()
+    for u in off.units:
+        for e in u.entries:
+            cls = type(e.tensor)
+            if e.is_buffer or cls is torch.Tensor or cls is torch.nn.Parameter:
+                continue
+            n = by.setdefault(cls.__name__, [0, 0])
+            n[0] += 1
+            n[1] += e.nbytes
+            if e.parts:
+                wrappers.add(cls.__name__)
+    if not by:
+        return ""
+    parts = [f"{n} {name} ({format_size(nb)}{', moved as their data and scales' if name in wrappers else ''})"
+             for name, (n, nb) in sorted(by.items())]
+    return "  subclasses        " + "; ".join(parts)
+
+
 def summary(off: Any) -> str:
     """Readable report: units, what stayed resident, bytes moved per step, stalls, plan hits,
     hook time per acquire, then the library's table."""
@@ -151,6 +175,9 @@ def summary(off: Any) -> str:
         f"{format_size(s['live']['current'])} on the device",
     ]
     line = host_copies_line(s, off.steps)
+    if line:
+        lines.append(line)
+    line = _subclass_line(off)
     if line:
         lines.append(line)
     if off.optimizer is not None:
