@@ -3,8 +3,8 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable] [quant]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable, quant)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -222,6 +222,16 @@ if has ddp; then
   else
     echo "ddp: fewer than two GPUs on this machine: not run"
   fi
+fi
+if has quant; then
+  # quantized models offloaded: transformers' classes under torchao and bitsandbytes (each where installed)
+  for q in torchao-int8 bnb-nf4; do
+    log "transformers_zoo.py --quant $q"
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
+      python3 bench/dev/transformers_zoo.py --quant $q ${QUANT_ZOO:-llama qwen3 gemma2 mixtral qwen3_moe t5} \
+      >"$OUT/zoo-$q.txt" 2>&1 || rc=1
+    tail -12 "$OUT/zoo-$q.txt"
+  done
 fi
 log "done rc=$rc"
 exit $rc
