@@ -1006,19 +1006,22 @@ def test_a_tensor_read_two_modules_down_is_held_by_the_reader():
     assert _partition.children_read(r) == [r.head.proj]
 
 
-def test_a_tensor_read_by_getattr_with_a_written_name_is_held_by_the_reader():
+def test_a_tensor_read_by_getattr_or_through_a_local_name_is_held_by_the_reader():
     from spillway.torch import _partition
 
     class Reader(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.a, self.b, self.c, self.d, self.e = (nn.Linear(4, 4) for _ in range(5))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, getattr(self.a, "weight"), getattr(self.b, 'bias')) + self.c(x)
+            d = self.d
+            e = self.e  # called, not read
+            y = F.linear(x, getattr(self.a, "weight"), getattr(self.b, 'bias')) + self.c(x)
+            return F.linear(y, d.weight) * d.weight.shape[0] + e(y)
 
     r = Reader()
-    assert _partition.children_read(r) == [r.a, r.b]
+    assert _partition.children_read(r) == [r.a, r.b, r.d]
 
 
 class Wrapped(nn.Module):

@@ -171,6 +171,8 @@ _SELF_PATH = re.compile(r"\bself((?:\.[A-Za-z_]\w*)+)")  # self.a, self.a.b.c, .
 _SELF_CALL = re.compile(r"\bself\.([A-Za-z_]\w*)\s*\(")
 # getattr(self, "a") and getattr(self.a.b, "c"), with a name written out: the path self.a.b.c
 _SELF_GETATTR = re.compile(r"\bgetattr\(\s*self((?:\.[A-Za-z_]\w*)*)\s*,\s*[\"']([A-Za-z_]\w*)[\"']")
+# a local name given to an attribute path of self on a line of its own (proj = self.dt_proj)
+_SELF_ALIAS = re.compile(r"^[ \t]*([A-Za-z_]\w*)[ \t]*=[ \t]*self((?:\.[A-Za-z_]\w*)+)[ \t]*(?:#.*)?$", re.M)
 # What a host copy answers as the device copy does: reading it is not a read of the tensor.
 _META = frozenset(("dtype", "shape", "ndim", "requires_grad", "is_floating_point", "size", "dim", "numel",
                    "element_size"))
@@ -178,10 +180,11 @@ _META = frozenset(("dtype", "shape", "ndim", "requires_grad", "is_floating_point
 
 @functools.lru_cache(maxsize=None)
 def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
-    """(the attribute paths of every `self.a.b...` and `getattr(self.a, "b")` in the source of
-    cls.forward and of the methods of cls it calls as self.method(...), transitively; whether
-    register_parametrization is called there). Nothing where the source cannot be read (a compiled or generated
-    forward) or forward is torch.nn's own."""
+    """(the attribute paths of every `self.a.b...`, `getattr(self.a, "b")` and `x.b` after
+    `x = self.a` in the source of cls.forward and of the methods of cls it calls as
+    self.method(...), transitively; whether register_parametrization is called there). Nothing
+    where the source cannot be read (a compiled or generated forward) or forward is torch.nn's
+    own."""
     reads: Set[Tuple[str, ...]] = set()
     parametrizes = False
     todo, seen = ["forward"], set()
@@ -202,6 +205,10 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
             continue
         reads.update(tuple(p.split(".")[1:]) for p in _SELF_PATH.findall(src))
         reads.update(tuple(p.split(".")[1:]) + (n,) for p, n in _SELF_GETATTR.findall(src))
+        for alias, path in _SELF_ALIAS.findall(src):  # proj.weight after proj = self.dt_proj
+            head = tuple(path.split(".")[1:])
+            rest = re.findall(rf"\b{alias}((?:\.[A-Za-z_]\w*)+)", src)
+            reads.update(head + tuple(r.split(".")[1:]) for r in rest)
         parametrizes = parametrizes or "register_parametrization(" in src
         todo.extend(_SELF_CALL.findall(src))
     return frozenset(reads), parametrizes
