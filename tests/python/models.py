@@ -345,6 +345,34 @@ class NestedInt8(WrappedInt8):
         raise NotImplementedError(f"NestedInt8: {func}")
 
 
+class _SavesWeight(torch.autograd.Function):
+    """A linear layer over a WrappedInt8 weight that saves the weight itself for backward, as an
+    autograd function of a quantization library may."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        return F.linear(x, w.dequantize(), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g @ w.dequantize(), None, None
+
+
+class SavingLinear(nn.Module):
+    """A frozen WrappedInt8 linear layer whose backward reads the weight it saved."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        lin = nn.Linear(n, n)
+        self.weight = nn.Parameter(WrappedInt8.quantize(lin.weight.detach()), requires_grad=False)
+        self.bias = nn.Parameter(lin.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SavesWeight.apply(x, self.weight, self.bias)
+
+
 def wrapped_linear(n: int, nested: bool = False) -> nn.Linear:
     lin = nn.Linear(n, n)
     w = WrappedInt8.quantize(lin.weight.detach())

@@ -19,7 +19,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 import spillway
 import spillway.torch as spt
-from models import NestedInt8, QuantLinear, QuantParam, WrappedInt8, moved, offloaded_bytes, wrapped_linear
+from models import NestedInt8, QuantLinear, QuantParam, SavingLinear, WrappedInt8, moved, offloaded_bytes, wrapped_linear
 
 MiB = 1 << 20
 
@@ -814,6 +814,34 @@ def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
     assert m[3].weight is host and type(host) is cls and torch.equal(leaf(host), qdata)
     with torch.no_grad():
         assert torch.equal(m(x), ref)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_wrapper_subclass_weight_saved_for_backward_is_rebuilt_from_its_unit(train):
+    """An autograd function saves the offloaded quantized weight itself (a device tensor of the
+    wrapper subclass over the unit's memory, which the engine may reuse before backward): the
+    backward gets it rebuilt from its unit acquired again, so gradients equal resident's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(SavingLinear(1024), nn.Tanh()) for _ in range(12)])  # 12 MiB of int8
+    ref = copy.deepcopy(m)
+    head = nn.Linear(1024, 1024)  # trained, so that optimizer= has a parameter
+    ref_head = copy.deepcopy(head)
+    model, ref_model = nn.Sequential(head, m), nn.Sequential(ref_head, ref)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1) if train else None
+    off = spt.offload(model, budget="6MiB", backend="emu", vmm="on", optimizer=opt)
+    for step in range(3):
+        x = torch.randn(4, 1024, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        out = moved(off, lambda: model(x))
+        want = ref_model(xr)
+        assert torch.equal(out, want)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert torch.equal(x.grad, xr.grad) and torch.equal(head.weight.grad, ref_head.weight.grad), step
+        head.zero_grad()
+        ref_head.zero_grad()
+    assert off.stats()["offload"]["saved_reacquires"] > 0  # the weights came back for backward
+    off.remove()
 
 
 class Mixer(nn.Module):

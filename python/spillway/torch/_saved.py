@@ -29,6 +29,7 @@ from .. import _lib
 from ..core import _caller_level, format_size
 from ..errors import StateError, error_for
 from ._errors import OutOfMemoryError
+from . import _wrapped
 from ._units import _Unit, _storage_at
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +76,18 @@ class _Saved:
         self.dtype = t.dtype
         self.size = tuple(t.size())
         self.stride = tuple(t.stride())
+
+
+class _SavedWrapped:
+    """A tensor of a wrapper subclass saved for backward whose leaves lay inside acquired units
+    (an offloaded quantized weight an autograd function saved): its leaves' records, and how to
+    rebuild it over copies of them."""
+
+    __slots__ = ("tree", "leaves")
+
+    def __init__(self, tree: Any, leaves: List[_Saved]) -> None:
+        self.tree = tree
+        self.leaves = leaves
 
 
 class _Stashed:
@@ -159,6 +172,8 @@ class _Hooks:
     def unpack(self, s: Any) -> torch.Tensor:
         if type(s) is _Saved:
             return rebuild(self.off, s)
+        if type(s) is _SavedWrapped:
+            return _wrapped.rebuild(s.tree, [rebuild(self.off, r) for r in s.leaves])
         if type(s) is _Stashed:
             return unstash(self.off, s)
         if type(s) is _Outer:
@@ -194,10 +209,15 @@ def saving(off: "Offload") -> _Scope:
     return _Scope(off)
 
 
-def record(off: "Offload", t: torch.Tensor) -> Optional[_Saved]:
-    """The record of t if it lies inside one of off's acquired units, else None."""
+def record(off: "Offload", t: torch.Tensor) -> Any:
+    """The record of t if it lies inside one of off's acquired units (a _Saved; a _SavedWrapped
+    for a wrapper subclass whose leaves all do), else None."""
     if not off._acquired or t.device.type != off.device.type:
         return None
+    if type(t) is not torch.Tensor and _wrapped.is_wrapper(t):
+        tree, leaves = _wrapped.flatten(t)
+        recs = [record(off, x) for _, x in leaves]
+        return _SavedWrapped(tree, recs) if recs and None not in recs else None
     p = t.data_ptr()
     for base, u in off._acquired.items():
         if base <= p < base + u.nbytes:
@@ -242,6 +262,8 @@ def _stashable(off: "Offload", t: torch.Tensor) -> bool:
     """An activation worth a buffer: on the offload's device, at least off._stash_min bytes, not
     a parameter or another leaf that requires grad (the caller's own tensors), nor a view of one
     (a linear layer saves its weight transposed: a copy in the budget would hold it twice)."""
+    if type(t) is not torch.Tensor and _wrapped.is_wrapper(t):  # no storage of its own to copy
+        return False
     base = t._base if t._base is not None else t
     return (t.device.type == off.device.type and t.numel() * t.element_size() >= off._stash_min
             and not (base.is_leaf and base.requires_grad) and not isinstance(base, torch.nn.Parameter))
