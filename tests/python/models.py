@@ -302,9 +302,9 @@ class WrappedInt8(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         aten = torch.ops.aten
         if func is aten.detach.default:
-            return WrappedInt8(args[0].qdata, args[0].scale)
+            return type(args[0])(args[0].qdata, args[0].scale)
         if func is aten.clone.default:
-            return WrappedInt8(args[0].qdata.clone(), args[0].scale.clone())
+            return type(args[0])(args[0].qdata.clone(), args[0].scale.clone())
         if func is aten.copy_.default:  # load_state_dict: the data copied in place
             args[0].qdata.copy_(args[1].qdata)
             args[0].scale.copy_(args[1].scale)

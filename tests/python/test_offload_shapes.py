@@ -816,6 +816,28 @@ def test_quantized_weights_in_a_wrapper_subclass_move_as_their_leaves(nested):
         assert torch.equal(m(x), ref)
 
 
+def test_a_wrapper_subclass_that_cannot_be_rebuilt_is_refused_before_anything_moves():
+    class Broken(WrappedInt8):
+        @staticmethod
+        def __tensor_unflatten__(inner, ctx, size, stride):
+            raise TypeError("no")
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[wrapped_linear(1024) for _ in range(4)]).requires_grad_(False)
+    w = m[2].weight
+    m[2].weight = nn.Parameter(Broken(w.qdata, w.scale), requires_grad=False)
+    x = torch.randn(4, 1024)
+    with torch.no_grad():
+        ref = m(x)
+    leaves = [(p.qdata, p.scale) for p in (lin.weight for lin in m)]
+    with pytest.raises(spillway.ConfigError, match=r"2\.weight is a Broken that its class cannot rebuild .*TypeError: no"):
+        spt.offload(m, budget="2MiB", backend="emu")
+    assert [(p.qdata, p.scale) for p in (lin.weight for lin in m)] == leaves  # the same tensors, untouched
+    assert all("forward" not in s.__dict__ for s in m.modules())
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_a_wrapper_subclass_weight_saved_for_backward_is_rebuilt_from_its_unit(train):
     """An autograd function saves the offloaded quantized weight itself (a device tensor of the

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from . import _partition, _wrapped
 
 _ALIGN = 256  # offset alignment of each tensor inside its unit's pack
@@ -76,6 +77,12 @@ class _Entry:
         self.tree: Any = None
         if not is_buffer and _wrapped.is_wrapper(tensor):
             self.tree, leaves = _wrapped.flatten(tensor)
+            try:  # what each forward will do on the device copies, tried now, before anything moves
+                _wrapped.rebuild(self.tree, [x for _, x in leaves])
+            except Exception as ex:
+                raise ConfigError(f"offload: {name} is a {type(tensor).__name__} that its class cannot rebuild from "
+                                  f"the tensors its __tensor_flatten__ names ({type(ex).__name__}: {ex}); "
+                                  "it cannot be offloaded") from None
             self.parts = tuple(_Entry(x, f"{name}.{path}", False) for path, x in leaves)
         self.nbytes = sum(p.nbytes for p in self.parts) if self.parts else _nbytes(tensor)
         self.dtype = tensor.dtype
