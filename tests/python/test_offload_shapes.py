@@ -502,6 +502,46 @@ def test_bad_input_is_a_clear_error_before_anything_moves():
     assert all(p.device.type == "cpu" and p.data_ptr() for p in m.parameters())
 
 
+def test_a_module_another_offloader_already_moves_is_refused_before_anything_moves():
+    """accelerate's placing hooks (cpu_offload, a device_map, a pipeline's model or sequential CPU
+    offload) and diffusers' group offloading move the same weights: a clear error names the
+    module and the hook; diffusers' other hooks (layerwise casting, caches) are no obstacle."""
+    class AlignDevicesHook:  # the names the libraries give their hooks
+        def __init__(self, offload=True):
+            self.offload = offload
+
+    class CpuOffload:
+        pass
+
+    class SequentialHook:
+        def __init__(self, *hooks):
+            self.hooks = hooks
+
+    class Registry:
+        def __init__(self, *names):
+            self.hooks = {n: object() for n in names}
+
+    def model():
+        return nn.Sequential(nn.Linear(1024, 1024), nn.Sequential(nn.Linear(1024, 1024))).requires_grad_(False)
+
+    for where, attr, value, match in (
+            (lambda m: m[1][0], "_hf_hook", AlignDevicesHook(), r"1\.0 has accelerate's AlignDevicesHook hook"),
+            (lambda m: m, "_hf_hook", CpuOffload(), r"Sequential has accelerate's CpuOffload hook"),
+            (lambda m: m[0], "_hf_hook", SequentialHook(object(), AlignDevicesHook()), "0 has accelerate's Align"),
+            (lambda m: m[1], "_diffusers_hook", Registry("layerwise_casting", "group_offloading"),
+             "1 has diffusers' group_offloading hook")):
+        m = model()
+        setattr(where(m), attr, value)
+        with pytest.raises(spillway.InvalidArgument, match=match):
+            spt.offload(m, budget="6MiB", backend="emu")
+        assert all("forward" not in s.__dict__ for s in m.modules())
+    m = model()
+    m[1]._diffusers_hook = Registry("layerwise_casting", "first_block_cache")
+    m[0]._hf_hook = SequentialHook(object(), AlignDevicesHook(offload=False))  # moves the inputs only
+    off = spt.offload(m, budget="6MiB", backend="emu")
+    off.remove()
+
+
 def test_a_module_and_a_pipeline_resolve_a_budget_alike():
     """One budget resolution (_budget.resolve_budget): the same budget is refused with the same
     message by offload(module) and offload([modules]), before anything moves; a percentage is of

@@ -52,6 +52,10 @@ def check_module(module: nn.Module, blocks: Optional[Sequence[nn.Module]]) -> Tu
                     "(from_pretrained(..., device_map=...) or an accelerate offload); load it without device_map, "
                     "its weights in host memory, and offload that: spillway places them on the device")
             raise InvalidArgument("offload: the module has tensors on the 'meta' device; load its weights first")
+    other = _other_offloader(module)
+    if other:
+        raise InvalidArgument(f"offload: {other}; both would move the same weights. Remove it first, or load the "
+                              "model without it: spillway places the weights itself")
     names = _module_names(module)
     if blocks is not None:
         for b in blocks:
@@ -62,6 +66,33 @@ def check_module(module: nn.Module, blocks: Optional[Sequence[nn.Module]]) -> Tu
         if len({id(b) for b in blocks}) != len(blocks):
             raise InvalidArgument("offload: blocks names a module twice")
     return params, names
+
+
+# What already moves a module's weights (_other_offloader): accelerate's AlignDevicesHook with
+# offload set (cpu_offload, a device_map that offloads; also inside a SequentialHook) and its
+# CpuOffload (enable_model_cpu_offload), where an AlignDevicesHook without offload only moves
+# the inputs; diffusers' group offloading hooks, where its casting and caching hooks move nothing.
+_DIFFUSERS_PLACING = frozenset(("group_offloading", "lazy_prefetch_group_offloading"))
+
+
+def _other_offloader(module: nn.Module) -> str:
+    """What already moves module's weights between host and device, said for an error, or ""."""
+    for name, m in module.named_modules():
+        hook = getattr(m, "_hf_hook", None)
+        if hook is not None:
+            placing = [type(h).__name__ for h in getattr(hook, "hooks", None) or (hook,)
+                       if type(h).__name__ == "CpuOffload" or (type(h).__name__ == "AlignDevicesHook"
+                                                               and getattr(h, "offload", False))]
+            if placing:
+                return (f"{name or type(m).__name__} has accelerate's {placing[0]} hook (cpu_offload, a device_map, "
+                        "enable_model_cpu_offload or enable_sequential_cpu_offload: pipe.remove_all_hooks() or "
+                        "accelerate.hooks.remove_hook_from_module(module, recurse=True) removes it)")
+        registry = getattr(m, "_diffusers_hook", None)
+        found = sorted(_DIFFUSERS_PLACING & set(getattr(registry, "hooks", None) or ()))
+        if found:
+            return (f"{name or type(m).__name__} has diffusers' {found[0]} hook (enable_group_offload, which "
+                    "diffusers cannot undo: load the model again without it)")
+    return ""
 
 
 def trainable(module: nn.Module, params: List[torch.Tensor], optimizer: Any,
