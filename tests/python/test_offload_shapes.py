@@ -486,7 +486,8 @@ def test_parameters_that_require_grad_are_offloaded_for_inference():
 
 def test_bad_input_is_a_clear_error_before_anything_moves():
     m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).requires_grad_(False)
-    with pytest.raises(spillway.ConfigError, match="budget 1.00 MiB is below .*at least 6.00 MiB"):
+    with pytest.raises(spillway.ConfigError, match=r"budget 1.00 MiB is below .*at least 6.00 MiB \(\d is one Linear, "
+                                                   "which is not split\)"):
         spt.offload(m, budget="1MiB", backend="emu")  # no unit smaller than one Linear's weight
     with pytest.raises(spillway.InvalidArgument, match="given twice"):
         spt.offload([m, m], budget="16MiB", backend="emu")
@@ -904,6 +905,34 @@ def test_a_wrapper_subclass_weight_saved_for_backward_is_rebuilt_from_its_unit(t
         ref_head.zero_grad()
     assert off.stats()["offload"]["saved_reacquires"] > 0  # the weights came back for backward
     off.remove()
+
+
+def test_batch_norm_in_training_keeps_its_running_statistics_as_resident():
+    """Batch norm's kernel updates its running statistics in place without moving their version
+    counters, so a write-back at release cannot see it: they stay on the device, not offloaded,
+    and a convolutional network trained through the offload keeps them as the resident one."""
+    def block(c: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[block(256) for _ in range(8)]).train()  # 18 MiB of convolutions
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="8MiB", backend="emu")
+    stats = {id(t) for mod in m.modules() if isinstance(mod, nn.BatchNorm2d)
+             for t in (mod.running_mean, mod.running_var, mod.num_batches_tracked)}
+    assert not stats & {id(e.tensor) for u in off.units for e in u.entries}  # not offloaded
+    for step in range(3):
+        x = torch.randn(2, 256, 8, 8)
+        with torch.no_grad():
+            assert torch.equal(moved(off, lambda: m(x)), ref(x)), step
+        for (n, a), b in zip(m.named_buffers(), ref.buffers()):
+            assert torch.equal(a, b), (step, n)
+    off.remove()
+    m.eval()
+    ref.eval()
+    with torch.no_grad():
+        x = torch.randn(2, 256, 8, 8)
+        assert torch.equal(m(x), ref(x))
 
 
 class Mixer(nn.Module):

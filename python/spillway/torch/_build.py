@@ -17,7 +17,7 @@ from ..core import Context, format_size
 from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
-from ._units import _Unit, _param_owners
+from ._units import _Unit, _param_owners, running_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._offload import Offload
@@ -85,6 +85,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._needs = needs
     # the trainable parameters that stay resident (optimizer=: those trained on the device)
     off._trainable = list(kept.values())
+    # what offload() moved to the device to stay there (those parameters, the running statistics
+    # of normalization layers: _units.running_stats), with the device each came from
     off._moved_trainable: List[Tuple[torch.Tensor, torch.device]] = []
     # optimizer=: the trainable parameters are offloaded and their host Parameters (the views
     # into the packs) are the master copy the optimizer updates on the host; its step is
@@ -182,8 +184,8 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
         off._edits = _edits.HostEdits(units)
         if off._train:
             _train.to_host(off, optimizer)
-        if backend == "cuda":
-            for _, p in off._trainable:
+        if backend == "cuda":  # what stays resident, on the device: trainable parameters, running statistics
+            for p in [p for _, p in off._trainable] + list(running_stats(module).values()):
                 if p.device != dev:
                     off._moved_trainable.append((p, p.device))
                     p.data = p.data.to(dev)

@@ -307,8 +307,20 @@ def check_room(module: nn.Module, units: Sequence[_Unit], needs: Dict[int, List[
                 f"what {holder} holds at once, {len(held)} units ("
                 + ", ".join(u.name for u in held[:4]) + (", ..." if len(held) > 4 else "")
                 + f": {format_size(sum(u.nbytes for u in held))}")
+        big = max(held or [largest], key=lambda u: u.nbytes)
+        leaf = _leaf_module(module, big.name)
+        advice = (f" ({big.name} is one {type(leaf).__name__}, which is not split)" if leaf is not None else
+                  " or pass smaller blocks=[...]")
         raise ConfigError(
             f"offload: budget {format_size(budget)} is below {what}, {format_size(need)} in the device "
-            f"arena's {format_size(page)} pages); raise the budget to at least {format_size(need)} or pass "
-            "smaller blocks=[...]")
+            f"arena's {format_size(page)} pages); raise the budget to at least {format_size(need)}{advice}")
     return need
+
+
+def _leaf_module(module: nn.Module, name: str) -> "nn.Module | None":
+    """The submodule called name if it has no submodules (a unit that cannot be made smaller)."""
+    try:
+        m = module.get_submodule(name)
+    except (AttributeError, ValueError):
+        return None
+    return m if next(m.children(), None) is None else None

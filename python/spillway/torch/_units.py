@@ -200,21 +200,39 @@ def _group_name(group: List[nn.Module], names: Dict[int, str]) -> str:
     return first if len(group) == 1 else f"{first}..{names.get(id(group[-1]), type(group[-1]).__name__)}"
 
 
+def running_stats(module: nn.Module) -> Dict[int, torch.Tensor]:
+    """id -> buffer for the running statistics of module's normalization layers (batch norm,
+    instance norm with track_running_stats). In training their kernel updates them in place
+    without moving their version counter, so a write-back at release would not see it; they are
+    a few floats a channel, and stay on the device instead of being offloaded."""
+    out: Dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                t = m._buffers.get(name)
+                if t is not None:
+                    out[id(t)] = t
+    return out
+
+
 def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set,
                 names: Dict[int, str]) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """The units of module (nothing moves yet): (units, id(module) -> the units its hook acquires,
     the modules to hook). Each group (a block, or a run of neighbouring modules) is one unit
     over the tensors of its modules' subtrees; every other module with tensors of its own is
     one; a tensor goes to the first unit that reaches it, so a tied weight is stored once.
-    trainable: ids of the parameters that stay resident."""
+    trainable: ids of the parameters that stay resident; running statistics stay too
+    (running_stats)."""
     owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
     units: List[_Unit] = []
     needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
     hooked: List[nn.Module] = []
 
+    stay = set(running_stats(module))
+
     def tensors_of(mod: nn.Module, recurse: bool) -> List[Tuple[str, torch.Tensor, bool]]:
         out = [(n, t, False) for n, t in mod.named_parameters(recurse=recurse) if id(t) not in trainable]
-        return out + [(n, t, True) for n, t in mod.named_buffers(recurse=recurse) if t is not None]
+        return out + [(n, t, True) for n, t in mod.named_buffers(recurse=recurse) if t is not None and id(t) not in stay]
 
     def claim(unit: _Unit, mod: nn.Module, prefix: str, recurse: bool,
               small: Optional[_Unit] = None, limit: int = _SMALL) -> List[_Unit]:
