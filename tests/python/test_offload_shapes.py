@@ -907,6 +907,25 @@ def test_a_wrapper_subclass_weight_saved_for_backward_is_rebuilt_from_its_unit(t
     off.remove()
 
 
+def test_a_norm_before_a_layer_larger_than_a_unit_shares_its_unit():
+    """A batch norm between two convolutions each larger than a unit would be a unit of a few
+    KiB, paying a hook for nothing: it joins the convolution after it."""
+    def conv() -> nn.Conv2d:
+        return nn.Conv2d(512, 512, 3, padding=1)  # 9 MiB
+
+    torch.manual_seed(0)
+    m = nn.Sequential(conv(), nn.BatchNorm2d(512), nn.ReLU(), conv(), nn.BatchNorm2d(512), nn.ReLU(),
+                      conv()).requires_grad_(False).eval()
+    x = torch.randn(1, 512, 4, 4)
+    with torch.no_grad():
+        ref = m(x)
+    off = spt.offload(m, budget="20MiB", backend="emu")
+    assert [u.name for u in off.units] == ["0", "1..3", "4..6", "small tensors of the blocks"]
+    with torch.no_grad():
+        assert torch.equal(moved(off, lambda: m(x)), ref)
+    off.remove()
+
+
 def test_batch_norm_in_training_keeps_its_running_statistics_as_resident():
     """Batch norm's kernel updates its running statistics in place without moving their version
     counters, so a write-back at release cannot see it: they stay on the device, not offloaded,

@@ -104,13 +104,17 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
     groups: List[Group] = []
     seen: Set[int] = set()
 
+    def whole(m: nn.Module) -> bool:
+        """Whether m is one unit, fitting or not: it cannot be split (its tensors are all its
+        own, or it reads its children's)."""
+        return _called(m) and (isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())
+                               or (m is not module and _forward_reads(type(m))[1]))
+
     def visit(m: nn.Module) -> None:
         # The top level is always split (unless it cannot be): its own methods other than forward
         # (a VAE's decode) call its children, whose hooks then bring their units.
-        fits = size[id(m)] <= hi and m is not module
-        if _called(m) and (fits or isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())
-                           or (m is not module and _forward_reads(type(m))[1])):
-            groups.append([m])  # fits, or cannot be split (its tensors are all its own, or it reads its children's)
+        if whole(m) or (_called(m) and size[id(m)] <= hi and m is not module):
+            groups.append([m])
             return
         run: Group = []
         run_bytes = 0
@@ -127,7 +131,13 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
             n = size[id(c)]
             if n == 0:
                 continue
-            if n > hi or not _called(c):
+            if n > hi and run and run_bytes * 64 <= n and whole(c):
+                # a run of modules tiny beside the child after it, which will be one unit anyway
+                # (a batch norm before a convolution larger than a unit), joins its unit rather
+                # than paying a hook of its own
+                groups.append(run + [c])
+                run, run_bytes, last = [], 0, 0
+            elif n > hi or not _called(c):
                 flush()
                 visit(c)
                 last = 0
