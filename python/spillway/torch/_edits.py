@@ -76,7 +76,8 @@ class HostEdits:
         changed = [i for i, (v, p, v0, p0) in enumerate(zip(vs, ps, self.versions, self.ptrs)) if v != v0 or p != p0]
         for i in changed:
             if ps[i] != self.ptrs[i]:
-                _check_shape(self.where[i][1])
+                e = self.where[i][1]
+                _check_shape(e, e.tensor.data)
         units: List[_Unit] = []
         for u, e, replaced in edited:
             if replaced:
@@ -104,14 +105,12 @@ def _replaced_leaves(e: _Entry) -> List[Tuple[_Entry, torch.Tensor]]:
     leaves = [x for _, x in _wrapped.flatten(e.tensor)[1]]
     out = [(p, x) for p, x in zip(e.parts, leaves) if x is not p.host_view]
     for p, x in out:
-        if tuple(x.shape) != p.shape or x.dtype != p.dtype:
-            raise ConfigError(f"offload: {p.name} was replaced by a {x.dtype} tensor of shape {tuple(x.shape)}, "
-                              f"where the offload holds {p.dtype} {p.shape}; remove() the offload and offload again")
+        _check_shape(p, x)
     return out
 
 
-def _check_shape(e: _Entry) -> None:
-    new = e.tensor.data
+def _check_shape(e: _Entry, new: torch.Tensor) -> None:
+    """ConfigError unless new, what replaced entry e's tensor, has e's shape and dtype."""
     if tuple(new.shape) != e.shape or new.dtype != e.dtype:
         raise ConfigError(f"offload: {e.name} was replaced by a {new.dtype} tensor of shape {tuple(new.shape)}, "
                           f"where the offload holds {e.dtype} {e.shape}; remove() the offload and offload again")
