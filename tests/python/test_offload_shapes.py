@@ -345,6 +345,89 @@ def test_encoder_decoder():
 
 # ---- a model used through a method other than forward (a VAE's decode) ----
 
+# ---- a mixture of experts in a ModuleList: only the experts the router picks move ----
+
+class Expert(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.up, self.gate, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class SparseMoE(nn.Module):
+    """Mixtral's block as transformers 4 wrote it: top-2 routing, experts a ModuleList, only the
+    experts some token is routed to called."""
+
+    def __init__(self, d: int, f: int, experts: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList([Expert(d, f) for _ in range(experts)])
+        self.routed: List[int] = []  # the experts the last call ran
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        self.routed = sorted(set(idx.flatten().tolist()))
+        for e in self.routed:
+            tok, k = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
+
+
+class MoEModel(nn.Module):
+    def __init__(self, layers: int = 4, d: int = 256, f: int = 512, experts: int = 8) -> None:
+        super().__init__()
+        self.attn = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
+        self.moe = nn.ModuleList([SparseMoE(d, f, experts) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for a, m in zip(self.attn, self.moe):
+            x = x + a(x)
+            x = x + m(x)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["plan", "lru"])
+def test_a_mixture_of_experts_moves_only_the_routed_experts(policy):
+    """The block picks its experts by index (self.experts[e]), so no unit holds two of them,
+    even where two would make a run of the usual size: a decoded token brings up the two
+    experts per layer its router picks, not the layer's eight (a quarter of the experts'
+    bytes), with the outputs equal."""
+    torch.manual_seed(0)
+    m = MoEModel().requires_grad_(False)  # 32 experts of 1.5 MiB: 48 MiB, the rest 1 MiB
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="24MiB", backend="emu", policy=policy, vmm="on")  # runs up to 3 MiB
+    unit_of = {}
+    for u in off.units:
+        for e in u.entries:
+            unit_of.setdefault(e.name.rsplit(".", 2)[0], set()).add(u.index)
+    expert_units = {k: v for k, v in unit_of.items() if ".experts." in k}
+    assert len(expert_units) == 32
+    # no unit holds two experts' weights (an expert may be several units: its Linears)
+    assert len({i for v in expert_units.values() for i in v}) == sum(len(v) for v in expert_units.values())
+    nbytes = {u.index: -(-u.nbytes // 4096) * 4096 for u in off.units}  # a unit's upload: whole 4 KiB
+    rest = sum(n for i, n in nbytes.items() if i not in {j for v in expert_units.values() for j in v})
+    moved_steps = []
+    with torch.no_grad():
+        for step in range(12):
+            x = torch.randn(1, 256, generator=torch.Generator().manual_seed(step))  # one token
+            st = off.context.stats()
+            before, ahead = st["bytes_h2d"]["total"], st["plan_prefetch_bytes"]["total"]
+            assert torch.equal(m(x), ref(x)), step
+            st = off.context.stats()
+            moved_steps.append(st["bytes_h2d"]["total"] - before)
+            ahead = st["plan_prefetch_bytes"]["total"] - ahead  # the plan's guess of the next step's first units
+            routed = sum(nbytes[i] for li, blk in enumerate(m.moe) for e in blk.routed
+                         for i in expert_units[f"moe.{li}.experts.{e}"])
+            assert all(len(blk.routed) <= 2 for blk in m.moe)
+            assert moved_steps[-1] <= routed + rest + ahead, (step, moved_steps[-1], routed, rest, ahead)
+    assert sum(moved_steps[2:]) > 0  # the routed experts did move: 49 MiB under 24
+    assert max(moved_steps[2:]) <= 8 * 1.5 * MiB + rest + 2 * MiB  # at most two of eight experts a layer
+    off.remove()
+
+
 class AutoEncoder(nn.Module):
     """As diffusers' AutoencoderKL is used in a pipeline: decode(), not forward()."""
 
@@ -487,7 +570,7 @@ def test_parameters_that_require_grad_are_offloaded_for_inference():
 def test_bad_input_is_a_clear_error_before_anything_moves():
     m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).requires_grad_(False)
     with pytest.raises(spillway.ConfigError, match=r"budget 1.00 MiB is below .*at least 6.00 MiB \(\d is one Linear, "
-                                                   "which is not split\)"):
+                                                   r"which is not split\)"):
         spt.offload(m, budget="1MiB", backend="emu")  # no unit smaller than one Linear's weight
     with pytest.raises(spillway.InvalidArgument, match="given twice"):
         spt.offload([m, m], budget="16MiB", backend="emu")
@@ -639,6 +722,49 @@ def test_a_small_module_beside_a_large_one_is_not_a_unit_of_its_own():
     off = spt.offload(m, budget="20MiB", backend="emu", vmm="on")  # pages: units up to 5 MiB
     # two a block, and the unit of the norms' tensors, which the top level holds
     assert len(off.units) == 13, [u.name for u in off.units]
+    with torch.no_grad():
+        out, per_step = run_steps(off, lambda: m(x), steps=6)
+    assert torch.equal(out, ref) and per_step > 0
+    off.remove()
+
+
+class Alternating(nn.Module):
+    """A UNet block's shape: its resnets and attentions in two lists, run alternately."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([nn.Sequential(nn.Linear(256, 320), nn.Linear(320, 256))
+                                      for _ in range(3)])  # 642 KiB each
+        self.attentions = nn.ModuleList([nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256)) for _ in range(3)])
+
+    def forward(self, x):
+        for r, a in zip(self.resnets, self.attentions):
+            x = a(r(x))
+        return x
+
+
+def test_modules_of_lists_called_in_alternation_are_not_grouped():
+    """zip(self.resnets, self.attentions): a run of resnets made one unit would be held from the
+    first resnet's call to the last one's, across the attentions between them, and acquired again
+    for each; so the children of lists iterated together are units of their own, unless tiny."""
+    from spillway.torch import _partition
+
+    m = nn.Sequential(Alternating(), Alternating())
+    names = {id(x): n for n, x in m.named_modules()}
+    groups = [[names[id(x)] for x in g] for g in _partition.partition(m, set(), 2 * MiB, 4 * MiB)]
+    assert ["0.resnets.0", "0.resnets.1", "0.resnets.2"] not in groups  # what a list iterated alone gives
+    assert all(len(g) == 1 for g in groups), groups  # runs of them would pass 1 MiB
+    m = nn.Sequential(Alternating(), Alternating())
+    for blk in m:
+        blk.resnets = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])  # 257 KiB each
+    names = {id(x): n for n, x in m.named_modules()}
+    groups = [[names[id(x)] for x in g] for g in _partition.partition(m, set(), 2 * MiB, 4 * MiB)]
+    assert ["0.resnets.0", "0.resnets.1", "0.resnets.2"] in groups, groups  # tiny: one hook for the three
+    m = nn.Sequential(*[Alternating() for _ in range(4)]).requires_grad_(False)  # 31.5 MiB
+    x = torch.randn(4, 256)
+    ref = copy.deepcopy(m)(x)
+    off = spt.offload(m, budget="12MiB", backend="emu", vmm="on")
+    assert not any(".." in u.name for u in off.units), [u.name for u in off.units]
     with torch.no_grad():
         out, per_step = run_steps(off, lambda: m(x), steps=6)
     assert torch.equal(out, ref) and per_step > 0

@@ -9,7 +9,12 @@ whose tensors are all its own is one unit whatever its size), and runs of neighb
 below `lo` bytes are grouped into one unit, which each of them acquires (the first acquire
 uploads it, the others find it resident); a run that stays below `lo` joins the child after it,
 or at the end the unit of children before it, where the sum fits `hi`. A container that is
-never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. A child's hook runs
+never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. The
+children of lists their parent iterates together (`zip(self.resnets, self.attentions)` in a UNet
+block) are called alternately, and those of a list it picks from by index (a mixture's
+`self.experts[idx]`) only when picked, so a run of them would be held across other modules, or
+brought whole for one member: there runs stay below about what the link moves in a hook's host
+time. A child's hook runs
 only when the child is called, so a module whose forward handles its children's weights itself
 is never split: torch's MultiheadAttention and transformer layers, and any module whose forward,
 or a method it calls on self, re-parametrizes a child's tensor for the call (peft's LoRA on a
@@ -35,6 +40,7 @@ from . import _wrapped
 Group = List[nn.Module]  # modules whose tensors form one unit
 
 _LO_MAX = 64 << 20  # units of this size already make a hook's host time a small part of the upload
+_SCATTERED_RUN = 1 << 20  # about what the link moves in a hook's host time: a run worth a hook of its own
 # Modules whose forward reads their children's weights directly (torch's fused attention and
 # transformer-layer paths take out_proj.weight, linear1.weight, ...): never split from them.
 _ATOMIC = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
@@ -110,12 +116,20 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
         return _called(m) and (isinstance(m, _ATOMIC) or not any(size[id(c)] for c in m.children())
                                or (m is not module and _forward_reads(type(m))[1]))
 
-    def visit(m: nn.Module) -> None:
+    def visit(m: nn.Module, scattered: bool = False) -> None:
         # The top level is always split (unless it cannot be): its own methods other than forward
         # (a VAE's decode) call its children, whose hooks then bring their units.
         if whole(m) or (_called(m) and size[id(m)] <= hi and m is not module):
             groups.append([m])
             return
+        # scattered: m is a list whose children are not called back to back (_scattered): a run
+        # of them is held from its first call to its last, across other modules, and acquired
+        # again for each, or brought whole for the one member a mixture's router picks; so runs
+        # stay below what the link moves in a hook's host time, and each larger child is a unit
+        # of its own
+        run_hi = min(_SCATTERED_RUN, hi) if scattered else hi
+        run_lo = min(lo, run_hi)
+        apart = _scattered(type(m)) if _called(m) else frozenset()
         run: Group = []
         run_bytes = 0
         last = 0  # bytes of groups[-1] when it is a group of m's children made here, else 0
@@ -131,27 +145,27 @@ def partition(module: nn.Module, skip: Set[int], lo: int, hi: int) -> List[Group
             n = size[id(c)]
             if n == 0:
                 continue
-            if n > hi and run and run_bytes * 64 <= n and whole(c):
+            if n > hi and run and run_bytes * 64 <= n and whole(c) and not scattered:
                 # a run of modules tiny beside the child after it, which will be one unit anyway
                 # (a batch norm before a convolution larger than a unit), joins its unit rather
                 # than paying a hook of its own
                 groups.append(run + [c])
                 run, run_bytes, last = [], 0, 0
-            elif n > hi or not _called(c):
+            elif n > run_hi or not _called(c):
                 flush()
-                visit(c)
+                visit(c, scattered=not _called(c) and any(m._modules.get(k) is c for k in apart))
                 last = 0
             else:
                 # c joins the run where both fit: a run of small modules before a child of lo or
                 # more (a norm before its attention) is then part of its unit, not a unit too
                 # small to pay for its hook
-                if run_bytes + n > hi:
+                if run_bytes + n > run_hi:
                     flush()
                 run.append(c)
                 run_bytes += n
-                if run_bytes >= lo:
+                if run_bytes >= run_lo:
                     flush()
-        if run and last and last + run_bytes <= hi:  # small modules at the end join the unit before
+        if run and last and last + run_bytes <= run_hi:  # small modules at the end join the unit before
             groups[-1].extend(run)
             run = []
         flush()
@@ -189,14 +203,11 @@ _META = frozenset(("dtype", "shape", "ndim", "requires_grad", "is_floating_point
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
-    """(the attribute paths of every `self.a.b...`, `getattr(self.a, "b")` and `x.b` after
-    `x = self.a` in the source of cls.forward and of the methods of cls it calls as
-    self.method(...), transitively; whether register_parametrization is called there). Nothing
-    where the source cannot be read (a compiled or generated forward) or forward is torch.nn's
-    own."""
-    reads: Set[Tuple[str, ...]] = set()
-    parametrizes = False
+def _sources(cls: type) -> Tuple[str, ...]:
+    """The source of cls.forward and of the methods of cls it calls as self.method(...),
+    transitively. Nothing where the source cannot be read (a compiled or generated forward) or
+    forward is torch.nn's own."""
+    out: List[str] = []
     todo, seen = ["forward"], set()
     while todo:
         name = todo.pop()
@@ -213,6 +224,18 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
             src = textwrap.dedent(inspect.getsource(fn))
         except (OSError, TypeError):
             continue
+        out.append(src)
+        todo.extend(_SELF_CALL.findall(src))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
+    """(the attribute paths of every `self.a.b...`, `getattr(self.a, "b")` and `x.b` after
+    `x = self.a` in _sources(cls); whether register_parametrization is called there)."""
+    reads: Set[Tuple[str, ...]] = set()
+    parametrizes = False
+    for src in _sources(cls):
         reads.update(tuple(p.split(".")[1:]) for p in _SELF_PATH.findall(src))
         reads.update(tuple(p.split(".")[1:]) + (n,) for p, n in _SELF_GETATTR.findall(src))
         for alias, path in _SELF_ALIAS.findall(src):  # proj.weight after proj = self.dt_proj
@@ -220,8 +243,28 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
             rest = re.findall(rf"\b{alias}((?:\.[A-Za-z_]\w*)+)", src)
             reads.update(head + tuple(r.split(".")[1:]) for r in rest)
         parametrizes = parametrizes or "register_parametrization(" in src
-        todo.extend(_SELF_CALL.findall(src))
     return frozenset(reads), parametrizes
+
+
+_ZIP = re.compile(r"\bzip\(([^()]*)\)")  # zip(self.resnets, self.attentions[1:])
+_SELF_NAME = re.compile(r"\bself\.([A-Za-z_]\w*)")
+_SELF_PICK = re.compile(r"\bself\.([A-Za-z_]\w*)\[\s*[A-Za-z_][\w.]*\s*\]")  # self.experts[expert_idx]
+
+
+@functools.lru_cache(maxsize=None)
+def _scattered(cls: type) -> FrozenSet[str]:
+    """The attributes of self whose children _sources(cls) does not call back to back: lists it
+    iterates together with another one, as zip(self.a, self.b) does (a UNet block's resnets and
+    attentions alternate), and lists it picks from by a computed index, as self.experts[idx]
+    (a mixture calls the experts its router picks)."""
+    names: Set[str] = set()
+    for src in _sources(cls):
+        for args in _ZIP.findall(src):
+            found = set(_SELF_NAME.findall(args))
+            if len(found) > 1:
+                names |= found
+        names.update(_SELF_PICK.findall(src))
+    return frozenset(names)
 
 
 def children_read(m: nn.Module) -> List[nn.Module]:
