@@ -760,6 +760,36 @@ def test_modules_of_lists_called_in_alternation_are_not_grouped():
     names = {id(x): n for n, x in m.named_modules()}
     groups = [[names[id(x)] for x in g] for g in _partition.partition(m, set(), 2 * MiB, 4 * MiB)]
     assert ["0.resnets.0", "0.resnets.1", "0.resnets.2"] in groups, groups  # tiny: one hook for the three
+
+    class InOrder(nn.Module):  # a list by index in a range() loop: called in order
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+
+        def forward(self, x):
+            for i in range(len(self.layers)):
+                x = self.layers[i](x)
+            return x
+
+    class WithNorms(nn.Module):  # two lists by one index in one loop: they alternate
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+            self.norms = nn.ModuleList([nn.LayerNorm(256) for _ in range(3)])
+
+        def forward(self, x):
+            for i in range(len(self.layers)):
+                x = self.norms[i](self.layers[i](x))
+            return x
+
+    for cls, alternate in ((InOrder, False), (WithNorms, True)):
+        m = cls()
+        for layer in m.layers:  # 640 KiB each (the partition reads sizes only): three make a run
+            layer.weight = nn.Parameter(torch.zeros(640, 256))  # below lo, two pass 1 MiB
+        names = {id(x): n for n, x in m.named_modules()}
+        groups = [[names[id(x)] for x in g] for g in _partition.partition(m, set(), 2 * MiB, 4 * MiB)]
+        assert (["layers.0", "layers.1", "layers.2"] in groups) == (not alternate), (cls, groups)
+        assert (["layers.1"] in groups) == alternate, (cls, groups)
     m = nn.Sequential(*[Alternating() for _ in range(4)]).requires_grad_(False)  # 31.5 MiB
     x = torch.randn(4, 256)
     ref = copy.deepcopy(m)(x)

@@ -248,22 +248,30 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
 
 _ZIP = re.compile(r"\bzip\(([^()]*)\)")  # zip(self.resnets, self.attentions[1:])
 _SELF_NAME = re.compile(r"\bself\.([A-Za-z_]\w*)")
-_SELF_PICK = re.compile(r"\bself\.([A-Za-z_]\w*)\[\s*[A-Za-z_][\w.]*\s*\]")  # self.experts[expert_idx]
+_SELF_PICK = re.compile(r"\bself\.([A-Za-z_]\w*)\[\s*([A-Za-z_][\w.]*)\s*\]")  # self.experts[expert_idx]
+_RANGE_LOOP = re.compile(r"\bfor\s+([A-Za-z_]\w*)\s+in\s+range\(")
 
 
 @functools.lru_cache(maxsize=None)
 def _scattered(cls: type) -> FrozenSet[str]:
     """The attributes of self whose children _sources(cls) does not call back to back: lists it
-    iterates together with another one, as zip(self.a, self.b) does (a UNet block's resnets and
-    attentions alternate), and lists it picks from by a computed index, as self.experts[idx]
-    (a mixture calls the experts its router picks)."""
+    iterates together with another one, as zip(self.a, self.b) or self.a[i] and self.b[i] in
+    one loop do (a UNet block's resnets and attentions alternate), and lists it picks from by
+    an index that is not a range() loop's, as self.experts[expert_idx] (a mixture calls the
+    experts its router picks). self.layers[i] alone in a range() loop calls them in order."""
     names: Set[str] = set()
     for src in _sources(cls):
         for args in _ZIP.findall(src):
             found = set(_SELF_NAME.findall(args))
             if len(found) > 1:
                 names |= found
-        names.update(_SELF_PICK.findall(src))
+        ranged = set(_RANGE_LOOP.findall(src))
+        lists_by_index: Dict[str, Set[str]] = {}
+        for name, index in _SELF_PICK.findall(src):
+            lists_by_index.setdefault(index, set()).add(name)
+        for index, lists in lists_by_index.items():
+            if index not in ranged or len(lists) > 1:
+                names |= lists
     return frozenset(names)
 
 
