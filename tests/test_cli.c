@@ -266,7 +266,7 @@ static void test_replay_oom(void **state) {
 
 static void test_bench_alloc_json(void **state) {
     (void)state;
-    cli_result r = run_expect("bench alloc --backend emu --json --iters 200", 0);
+    cli_result r = run_expect("bench alloc --backend emu --json --iters 20", 0);
     assert_int_equal(r.out[0], '{');
     assert_non_null(strstr(r.out, "\"backend\": \"emu\""));
     assert_int_equal(count_of(r.out, "\"bytes\":"), 4);
@@ -275,7 +275,7 @@ static void test_bench_alloc_json(void **state) {
     /* every timed pair must have been served from spillway's cache */
     assert_int_equal(count_of(r.out, "\"cached\": true"), 4);
     cli_free(&r);
-    r = run_expect("bench alloc --backend emu --iters 50", 0);
+    r = run_expect("bench alloc --backend emu --iters 10", 0);
     assert_non_null(strstr(r.out, "1 GiB"));
     assert_non_null(strstr(r.out, "spillway ns"));
     cli_free(&r);
