@@ -144,10 +144,12 @@ fi
 if has diffab; then
   # the denoisers of the "offload any model" acceptance, each variant against resident in one
   # process (bench/dev/diffusion_ab.py): SD 1.5 at 40%, SDXL at 35%, Flux at 8 GiB, each in the
-  # arena's two modes; then workloads a and b in plain segments (the default's figures are the
-  # offload section's)
+  # arena's two modes, the UNets also with their lists' runs grouped as before the partition told
+  # lists not called back to back apart (runs=grouped); then workloads a and b in plain segments
+  # (the default's figures are the offload section's)
   log "bench/dev/diffusion_ab.py"
-  for c in "sd15 0.40 3 plan;plan:vmm=off" "sdxl 0.35 2 plan;plan:vmm=off" "flux 8589934592 2 plan;plan:vmm=off"; do
+  for c in "sd15 0.40 3 plan;plan:runs=grouped;plan:vmm=off" "sdxl 0.35 2 plan;plan:runs=grouped;plan:vmm=off" \
+           "flux 8589934592 2 plan;plan:vmm=off"; do
     set -- $c
     SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 300 \
       python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds $3 --variants "$4" \

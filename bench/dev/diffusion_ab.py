@@ -19,7 +19,8 @@ steps one by one.
 
 A variant is POLICY[:key=value,...] (offload's policy and context options, as SPILLWAY_CONF
 spells them; unit_max=BYTES caps the partition's largest unit instead, as
-diffusion_profile.py's --unit-max does).
+diffusion_profile.py's --unit-max does; runs=grouped partitions as before lists whose modules
+are not called back to back were told apart: the A/B of that rule).
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def main():
             for n in order:
                 policy, opts = variants[n]
                 opts = dict(opts)
-                with td.unit_cap(int(opts.pop("unit_max", 0))):
+                grouped = opts.pop("runs", "") == "grouped"
+                with td.unit_cap(int(opts.pop("unit_max", 0))), td.runs_grouped(grouped):
                     h = spt.offload(model, budget=budget, policy=policy, **opts)
                 warm, _ = td.timed_steps(step, a.warm)
                 s0, hist0 = h.stats(), list(h._hook_hist)

@@ -153,6 +153,21 @@ def unit_cap(cap: int) -> Iterator[None]:
         _partition.bounds = bounds
 
 
+@contextlib.contextmanager
+def runs_grouped(grouped: bool) -> Iterator[None]:
+    """While open and grouped, offload() partitions as before lists whose modules are not called
+    back to back were told apart (_partition._scattered): their runs grouped like any others'.
+    An A/B of that rule for bench/dev's tools, not a setting of the package."""
+    from spillway.torch import _partition
+    scattered = _partition._scattered
+    if grouped:
+        _partition._scattered = lambda cls: frozenset()
+    try:
+        yield
+    finally:
+        _partition._scattered = scattered
+
+
 def timed_steps(fn: Callable[[], Any], steps: int) -> Tuple[List[float], Any]:
     times, out = [], None
     for _ in range(steps):
