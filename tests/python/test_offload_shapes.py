@@ -782,7 +782,33 @@ def test_modules_of_lists_called_in_alternation_are_not_grouped():
                 x = self.norms[i](self.layers[i](x))
             return x
 
-    for cls, alternate in ((InOrder, False), (WithNorms, True)):
+    class EveryExpert(nn.Module):  # every expert in order, those no token picked skipped (transformers 4.36)
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+
+        def forward(self, x):
+            out = torch.zeros_like(x)
+            for i in range(len(self.layers)):
+                expert_layer = self.layers[i]
+                if i % 2:
+                    continue
+                out = out + expert_layer(x)
+            return out
+
+    class Skipping(nn.Module):  # a loop over the list itself that skips some (LayerDrop)
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                if self.training and float(torch.rand(())) < 0.1:
+                    continue
+                x = layer(x)
+            return x
+
+    for cls, alternate in ((InOrder, False), (WithNorms, True), (EveryExpert, True), (Skipping, True)):
         m = cls()
         for layer in m.layers:  # 640 KiB each (the partition reads sizes only): three make a run
             layer.weight = nn.Parameter(torch.zeros(640, 256))  # below lo, two pass 1 MiB

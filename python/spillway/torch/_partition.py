@@ -12,9 +12,9 @@ or at the end the unit of children before it, where the sum fits `hi`. A contain
 never called (ModuleList, ModuleDict) is always split: the modules in it are what runs. The
 children of lists their parent iterates together (`zip(self.resnets, self.attentions)` in a UNet
 block) are called alternately, and those of a list it picks from by index (a mixture's
-`self.experts[idx]`) only when picked, so a run of them would be held across other modules, or
-brought whole for one member: there runs stay below about what the link moves in a hook's host
-time. A child's hook runs
+`self.experts[idx]`) or loops over skipping some (`continue`) only when picked, so a run of
+them would be held across other modules, or brought whole for one member: there runs stay
+below about what the link moves in a hook's host time. A child's hook runs
 only when the child is called, so a module whose forward handles its children's weights itself
 is never split: torch's MultiheadAttention and transformer layers, and any module whose forward,
 or a method it calls on self, re-parametrizes a child's tensor for the call (peft's LoRA on a
@@ -250,6 +250,9 @@ _ZIP = re.compile(r"\bzip\(([^()]*)\)")  # zip(self.resnets, self.attentions[1:]
 _SELF_NAME = re.compile(r"\bself\.([A-Za-z_]\w*)")
 _SELF_PICK = re.compile(r"\bself\.([A-Za-z_]\w*)\[\s*([A-Za-z_][\w.]*)\s*\]")  # self.experts[expert_idx]
 _RANGE_LOOP = re.compile(r"\bfor\s+([A-Za-z_]\w*)\s+in\s+range\(")
+# for e in self.experts:, for i, e in enumerate(self.experts):
+_LIST_LOOP = re.compile(r"\bfor\s+[^:\n]*\bin\s+(?:enumerate\(\s*)?self\.([A-Za-z_]\w*)\s*\)?\s*:")
+_CONTINUE = re.compile(r"\bcontinue\b")
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,20 +261,25 @@ def _scattered(cls: type) -> FrozenSet[str]:
     iterates together with another one, as zip(self.a, self.b) or self.a[i] and self.b[i] in
     one loop do (a UNet block's resnets and attentions alternate), and lists it picks from by
     an index that is not a range() loop's, as self.experts[expert_idx] (a mixture calls the
-    experts its router picks). self.layers[i] alone in a range() loop calls them in order."""
+    experts its router picks). self.layers[i] alone in a range() loop calls them in order,
+    unless the method skips some with `continue` (a mixture looping over every expert and
+    skipping those no token picked, LayerDrop), as a loop over the list itself does."""
     names: Set[str] = set()
     for src in _sources(cls):
         for args in _ZIP.findall(src):
             found = set(_SELF_NAME.findall(args))
             if len(found) > 1:
                 names |= found
+        skips = _CONTINUE.search(src) is not None
         ranged = set(_RANGE_LOOP.findall(src))
         lists_by_index: Dict[str, Set[str]] = {}
         for name, index in _SELF_PICK.findall(src):
             lists_by_index.setdefault(index, set()).add(name)
         for index, lists in lists_by_index.items():
-            if index not in ranged or len(lists) > 1:
+            if index not in ranged or len(lists) > 1 or skips:
                 names |= lists
+        if skips:
+            names.update(_LIST_LOOP.findall(src))
     return frozenset(names)
 
 
