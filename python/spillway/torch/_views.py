@@ -31,7 +31,10 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
     if reg >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # the copy below faults every page in, and the registration pins each: in 2 MiB pages
         # where the system allows them (transparent huge pages "madvise"), a 512th of the faults
-        mem.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages, as before
+            pass
     pack = torch.frombuffer(mem, dtype=torch.uint8)
     for e in u.pieces:
         view = own_storage(mem, e.offset, e.nbytes, e.dtype, e.shape)
