@@ -1019,12 +1019,16 @@ def test_the_step_renews_units_without_displacing_them(overlap):
             loss.backward()
             bwd = h2d() - before_fwd - fwd
             before_step = h2d()
+            planned = off.context.stats()["plan_prefetch_bytes"]["total"]
             o.step()
             o.zero_grad()
             if model is m:
                 off.synchronize()  # overlap_update: the update (and its uploads) done
                 stepped = h2d() - before_step
-                assert 0 < stepped <= 6 << 20, stepped
+                # the plan's own prefetches may land in this window too (when its worker runs
+                # them depends on the host's load): they are not the step's renewals
+                planned = off.context.stats()["plan_prefetch_bytes"]["total"] - planned
+                assert 0 < stepped - planned <= 6 << 20, (stepped, planned)
                 if step:
                     # the renewed units are used where they are: the rest come in the forward
                     assert renewed + fwd <= 1.25 * offloaded, (renewed, fwd, offloaded)
