@@ -247,7 +247,6 @@ def _forward_reads(cls: type) -> Tuple[FrozenSet[Tuple[str, ...]], bool]:
 
 
 _ZIP = re.compile(r"\bzip\(([^()]*)\)")  # zip(self.resnets, self.attentions[1:])
-_SELF_NAME = re.compile(r"\bself\.([A-Za-z_]\w*)")
 _SELF_PICK = re.compile(r"\bself\.([A-Za-z_]\w*)\[\s*([A-Za-z_][\w.]*)\s*\]")  # self.experts[expert_idx]
 _RANGE_LOOP = re.compile(r"\bfor\s+([A-Za-z_]\w*)\s+in\s+range\(")
 # for e in self.experts:, for i, e in enumerate(self.experts):
@@ -267,7 +266,7 @@ def _scattered(cls: type) -> FrozenSet[str]:
     names: Set[str] = set()
     for src in _sources(cls):
         for args in _ZIP.findall(src):
-            found = set(_SELF_NAME.findall(args))
+            found = {p.split(".")[1] for p in _SELF_PATH.findall(args)}  # self.a.b: a
             if len(found) > 1:
                 names |= found
         skips = _CONTINUE.search(src) is not None
