@@ -164,7 +164,9 @@ static bool prefetching(const spw_ctx *ctx) {
 static bool auto_pipeline(const spw_ctx *ctx) { return ctx->cfg.prefetch_early < 0 && prefetching(ctx); }
 
 /* A pipeline was chosen by timing and is in force (then rechecked); false while timing. */
-static bool chosen_by_timing(const spw_policy *p) { return p->trial < 0 && auto_pipeline(p->ctx) && !p->all_fit; }
+static bool chosen_by_timing(const spw_policy *p) {
+    return p->trial < 0 && auto_pipeline(p->ctx) && !p->all_fit && !p->diverging;
+}
 
 static spw_status plan_create(spw_ctx *ctx, spw_policy **out) {
     spw_policy *p = calloc(1, sizeof *p);
@@ -276,6 +278,8 @@ static void trials_start(spw_policy *p) {
     memset(p->trial_t, 0, sizeof p->trial_t);
     p->early_max = EARLY_TRIALS[0];
     p->slot_left = false;
+    p->diverged = 0;
+    p->diverging = false;
 }
 
 /* The step that just ended, when it began right after a step that ended waiting (RECHECK_EVERY):
@@ -327,6 +331,20 @@ static bool trials_skipped(spw_policy *p) {
     return fit;
 }
 
+/* DIVERGED_STEPS: the trials stop after that many steps in a row left their plan, and start
+ * again with the first step after that follows its plan. True while they are stopped. */
+static bool diverged_steps(spw_policy *p) {
+    if (p->diverging && p->last_exact) trials_start(p); /* clears diverging */
+    if (p->diverging || p->trial < 0 || p->diverged < DIVERGED_STEPS) return p->diverging;
+    p->diverging = true;
+    p->trial = -1;
+    p->trial_step = 0;
+    p->early_max = 0;
+    p->chosen = trial_of(0);
+    fix_for_pipeline(p);
+    return true;
+}
+
 /* prefetch_early=auto: the steps of a trial that followed their plan to the end are timed, from
  * their step_begin to the next one, and end waiting for their device work (time_steps), so the
  * time is the device's even for a caller that never waits. A timed step is scaled to the bytes its
@@ -334,6 +352,7 @@ static bool trials_skipped(spw_policy *p) {
  * stays, rechecked every RECHECK_EVERY steps. A step that diverged says nothing and is retried. */
 static void tune_early(spw_policy *p, uint64_t now) {
     if (trials_skipped(p)) return;
+    if (diverged_steps(p)) return;
     if (chosen_by_timing(p)) recheck(p, now);
     skip_split_trials(p);
     if (p->trial < 0 || !p->step_t0 || !p->last_exact) return;
@@ -379,6 +398,8 @@ static void plan_step_end(spw_policy *p) {
     bool exact = p->following && p->cursor == p->nplan && p->nrec == p->nplan;
     bool cold = !p->nplan; /* this step ran without any plan: what it left resident is LRU's */
     p->last_exact = exact;
+    if (exact) p->diverged = 0;
+    else if (p->nplan) p->diverged++;
     index_free(p);
     if (!p->rec_ok) { /* incomplete recording: forget everything, relearn next step */
         p->nplan = 0;
@@ -726,6 +747,9 @@ static void plan_describe(spw_policy *p, char *buf, size_t len) {
         snprintf(b, n, "pipeline double buffer; everything fits (%s of %s): no pipeline timed",
                  spw__size_format(tot, sizeof tot, spw__plan_total(p)),
                  spw__size_format(cap, sizeof cap, spw__plan_capacity(p)));
+    } else if (p->diverging) {
+        snprintf(b, n, "pipeline double buffer; the steps leave their plan (%u in a row): no pipeline timed",
+                 p->diverged);
     } else if (p->trial >= 0) {
         snprintf(b, n, "timing pipelines: %s now (%d of %d)%s", pipeline_name(p->early_max), p->trial + 1, N_TRIALS,
                  p->retunes ? ", again: the step time moved" : "");

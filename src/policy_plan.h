@@ -63,6 +63,12 @@ extern _Thread_local int spw__plan_hash_oom;
  * waits for every step anyway the waits cost nothing; on one that runs ahead, two host waits in
  * RECHECK_EVERY steps. */
 #define RECHECK_EVERY 32
+/* Steps that leave their plan (routed experts, dynamic control flow) time nothing: a trial waits
+ * for a step that follows its plan to the end. After DIVERGED_STEPS such steps in a row the
+ * trials stop, so that a program whose every step diverges does not end every step waiting for
+ * its device work; the double buffer stays (the default depth: it prefetches only while a step
+ * still follows its plan), and the first step that follows its plan again starts the trials. */
+#define DIVERGED_STEPS 3
 #define RETUNE_RATIO 1.25
 #define RETIME_MARGIN 0.9
 /* SLOT is left for the best other pipeline when, after the timing chose it, this many of the last
@@ -139,6 +145,8 @@ struct spw_policy {
     int64_t trims_seen;             /* the context's trim_syncs when the current step began */
     bool slot_left;                 /* SLOT was chosen, then left (its room did not hold) */
     bool all_fit;                   /* the plan's buffers fit the capacity: no pipeline timed */
+    uint32_t diverged;              /* steps in a row that left their plan (reset by the trials) */
+    bool diverging;                 /* DIVERGED_STEPS did: the trials stopped, no pipeline timed */
     size_t slot_bytes;              /* STATIC in force: the block of every streamed buffer (the
                                      * largest of the plan's), 0 otherwise */
     int64_t evictions0;             /* the context's evictions when the current step began */

@@ -259,6 +259,46 @@ static void splits_not_tried_where_the_step_writes(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* Steps that each leave their plan (the order of the buffers turns by one every step, as routed
+ * experts change from token to token) time nothing; after a few the trials stop, so that such a
+ * program's steps do not each end waiting for their device work, and the summary says why. The
+ * first steps that follow their plan again time the pipelines. */
+static void trials_stop_while_every_step_leaves_its_plan(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 8 };
+    spw_ctx *ctx = test_ctx("budget=41MiB,policy=plan,grow_ahead=0,prefetch=on,emu_link_gbps=1");
+    spw_buf *b[NB];
+    for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, 8 * MiB, SPW_BUF_READ_ONLY, &b[i]));
+    long none = 0;
+    for (int s = 0; s < 30; s++) {
+        int turn = s < 10 ? s : 0;
+        assert_ok(spw_step_begin(ctx));
+        for (int i = 0; i < NB; i++) {
+            void *d;
+            spw_buf *x = b[(i + turn) % NB];
+            assert_ok(spw_acquire(x, NULL, SPW_ACCESS_READ, &d));
+            assert_ok(spw_launch_host(ctx, NULL, sleep_cb, &none));
+            assert_ok(spw_release(x, NULL));
+        }
+        assert_ok(spw_step_end(ctx));
+        if (s == 9) {
+            char *text = test_summary(ctx, 0);
+            const char *line = strstr(text, "policy plan");
+            if (!strstr(text, "pipeline double buffer; the steps leave their plan (9 in a row): no pipeline timed"))
+                fail_msg("after 9 steps that left their plan, want the trials stopped: %.300s", line);
+            free(text);
+        }
+    }
+    assert_ok(spw_stream_synchronize(ctx, NULL));
+    char *text = test_summary(ctx, 0);
+    if (!strstr(text, "chosen by timing"))
+        fail_msg("want the pipelines timed once the steps follow their plan:\n%s", text);
+    free(text);
+    for (int i = 0; i < NB; i++) spw_buf_destroy(b[i]);
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(pipeline_chosen_by_timing),
@@ -268,6 +308,7 @@ int main(void) {
         cmocka_unit_test(a_hiccup_in_a_trial_does_not_decide),
         cmocka_unit_test(a_slow_settle_step_ends_its_trial),
         cmocka_unit_test(nothing_timed_when_everything_fits),
+        cmocka_unit_test(trials_stop_while_every_step_leaves_its_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
