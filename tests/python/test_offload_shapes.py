@@ -796,19 +796,34 @@ def test_modules_of_lists_called_in_alternation_are_not_grouped():
                 out = out + expert_layer(x)
             return out
 
-    class Skipping(nn.Module):  # a loop over the list itself that skips some (LayerDrop)
+    class Skipping(nn.Module):  # a loop over the list itself that skips some
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
 
         def forward(self, x):
             for layer in self.layers:
-                if self.training and float(torch.rand(())) < 0.1:
+                if float(x.sum()) > 1e30:
                     continue
                 x = layer(x)
             return x
 
-    for cls, alternate in ((InOrder, False), (WithNorms, True), (EveryExpert, True), (Skipping, True)):
+    class LayerDrop(nn.Module):  # skips only in training (BART's, Whisper's): in order at inference
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                if self.training:
+                    p = float(torch.rand(()))  # a continue in a comment: continue
+                    if p < 0.1:
+                        continue
+                x = layer(x)
+            return x
+
+    for cls, alternate in ((InOrder, False), (WithNorms, True), (EveryExpert, True), (Skipping, True),
+                           (LayerDrop, False)):
         m = cls()
         for layer in m.layers:  # 640 KiB each (the partition reads sizes only): three make a run
             layer.weight = nn.Parameter(torch.zeros(640, 256))  # below lo, two pass 1 MiB

@@ -252,6 +252,31 @@ _RANGE_LOOP = re.compile(r"\bfor\s+([A-Za-z_]\w*)\s+in\s+range\(")
 # for e in self.experts:, for i, e in enumerate(self.experts):
 _LIST_LOOP = re.compile(r"\bfor\s+[^:\n]*\bin\s+(?:enumerate\(\s*)?self\.([A-Za-z_]\w*)\s*\)?\s*:")
 _CONTINUE = re.compile(r"\bcontinue\b")
+_LOOP_HEAD = re.compile(r"\s*(?:async\s+)?(?:for|while)\b")
+
+
+def _skips(src: str) -> bool:
+    """Whether src skips an iteration with `continue` outside training: a `continue` under an
+    `if` that tests self.training (LayerDrop) skips nothing at inference, where the list's
+    modules run back to back."""
+    lines = src.splitlines()
+    for i, line in enumerate(lines):
+        if not _CONTINUE.search(line.split("#", 1)[0]):
+            continue
+        depth = len(line) - len(line.lstrip())
+        training = False
+        for head in reversed(lines[:i]):
+            text = head.split("#", 1)[0]
+            indent = len(text) - len(text.lstrip())
+            if not text.strip() or indent >= depth:
+                continue
+            depth = indent
+            if _LOOP_HEAD.match(text):
+                break
+            training = training or "self.training" in text
+        if not training:
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,14 +287,16 @@ def _scattered(cls: type) -> FrozenSet[str]:
     an index that is not a range() loop's, as self.experts[expert_idx] (a mixture calls the
     experts its router picks). self.layers[i] alone in a range() loop calls them in order,
     unless the method skips some with `continue` (a mixture looping over every expert and
-    skipping those no token picked, LayerDrop), as a loop over the list itself does."""
+    skipping those no token picked), as a loop over the list itself does; LayerDrop's skip,
+    only in training, does not count (a skipped module of a run costs its bytes, not a
+    wrong result)."""
     names: Set[str] = set()
     for src in _sources(cls):
         for args in _ZIP.findall(src):
             found = {p.split(".")[1] for p in _SELF_PATH.findall(args)}  # self.a.b: a
             if len(found) > 1:
                 names |= found
-        skips = _CONTINUE.search(src) is not None
+        skips = _skips(src)
         ranged = set(_RANGE_LOOP.findall(src))
         lists_by_index: Dict[str, Set[str]] = {}
         for name, index in _SELF_PICK.findall(src):
