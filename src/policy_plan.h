@@ -188,4 +188,25 @@ void spw__plan_choose_fixed(spw_policy *p, int mode);
 bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx); /* true when it had to */
 void spw__plan_clear_fixed(spw_policy *p);
 
+/* ---- policy_plan_trials.c ---- */
+
+/* The pipeline in force at creation: the first trial where prefetch_early=auto times them. */
+void spw__plan_trials_init(spw_policy *p);
+/* At a step's begin: time the step that ended and move the trials on (prefetch_early=auto). */
+void spw__plan_tune(spw_policy *p, uint64_t now);
+/* Whether the policy prefetches at all (prefetch=on, or auto on a device whose transfers take time). */
+bool spw__plan_prefetching(const spw_ctx *ctx);
+/* Pipelines with a fixed set (STATIC, SLOT). */
+bool spw__plan_fixed_pipeline(int mode);
+/* Mark the fixed set of the pipeline in force, or none. */
+void spw__plan_fix_for_pipeline(spw_policy *p);
+/* SLOT's premise keeps breaking: the fastest other pipeline of the timing. */
+void spw__plan_leave_slot(spw_policy *p);
+/* The context's evictions and uploads so far (a step's own are the difference). */
+int64_t spw__plan_evictions(const spw_policy *p);
+uint64_t spw__plan_bytes_moved(const spw_policy *p);
+/* The policy's time_steps and describe callbacks. */
+bool spw__plan_time_steps(spw_policy *p);
+void spw__plan_describe(spw_policy *p, char *buf, size_t len);
+
 #endif /* SPW_POLICY_PLAN_H */
