@@ -3,8 +3,8 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable] [quant]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable, quant)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable] [quant] [moe]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable, quant, moe)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -234,6 +234,13 @@ if has quant; then
       >"$OUT/zoo-$q.txt" 2>&1 || rc=1
     tail -12 "$OUT/zoo-$q.txt"
   done
+fi
+if has moe; then
+  # greedy decoding through a mixture of experts in a ModuleList (bench/dev/moe_decode.py)
+  log "bench/dev/moe_decode.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 150 \
+    python3 bench/dev/moe_decode.py ${MOE_ARGS:-} >"$OUT/moe.txt" 2>&1 || rc=1
+  tail -8 "$OUT/moe.txt"
 fi
 log "done rc=$rc"
 exit $rc
