@@ -65,9 +65,9 @@ extern _Thread_local int spw__plan_hash_oom;
 #define RECHECK_EVERY 32
 /* Steps that leave their plan (routed experts, dynamic control flow) time nothing: a trial waits
  * for a step that follows its plan to the end. After DIVERGED_STEPS such steps in a row the
- * trials stop, so that a program whose every step diverges does not end every step waiting for
- * its device work; the double buffer stays (the default depth: it prefetches only while a step
- * still follows its plan), and the first step that follows its plan again starts the trials. */
+ * trials pause, so that a program whose every step diverges does not end every step waiting for
+ * its device work; the double buffer runs (the default depth: it prefetches only while a step
+ * still follows its plan), and the first step that follows its plan again resumes the trials. */
 #define DIVERGED_STEPS 3
 #define RETUNE_RATIO 1.25
 #define RETIME_MARGIN 0.9
@@ -146,7 +146,8 @@ struct spw_policy {
     bool slot_left;                 /* SLOT was chosen, then left (its room did not hold) */
     bool all_fit;                   /* the plan's buffers fit the capacity: no pipeline timed */
     uint32_t diverged;              /* steps in a row that left their plan (reset by the trials) */
-    bool diverging;                 /* DIVERGED_STEPS did: the trials stopped, no pipeline timed */
+    bool diverging;                 /* DIVERGED_STEPS did: the trials paused, no pipeline timed */
+    int paused_trial;               /* while diverging: the trial to go on from */
     size_t slot_bytes;              /* STATIC in force: the block of every streamed buffer (the
                                      * largest of the plan's), 0 otherwise */
     int64_t evictions0;             /* the context's evictions when the current step began */

@@ -148,12 +148,22 @@ static bool trials_skipped(spw_policy *p) {
     return fit;
 }
 
-/* DIVERGED_STEPS: the trials stop after that many steps in a row left their plan, and start
- * again with the first step after that follows its plan. True while they are stopped. */
+/* DIVERGED_STEPS: the trials pause after that many steps in a row left their plan, and go on
+ * from the pipeline they paused at (its settle step again: the double buffer ran meanwhile)
+ * with the first step after that follows its plan; what was timed before stays. True while
+ * they are paused. */
 static bool diverged_steps(spw_policy *p) {
-    if (p->diverging && p->last_exact) trials_start(p); /* clears diverging */
+    if (p->diverging && p->last_exact) {
+        p->diverging = false;
+        p->trial = p->paused_trial;
+        p->trial_step = 0;
+        p->early_max = EARLY_TRIALS[p->trial];
+        spw__plan_fix_for_pipeline(p);
+        return false;
+    }
     if (p->diverging || p->trial < 0 || p->diverged < DIVERGED_STEPS) return p->diverging;
     p->diverging = true;
+    p->paused_trial = p->trial;
     p->trial = -1;
     p->trial_step = 0;
     p->early_max = 0;

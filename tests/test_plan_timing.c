@@ -260,10 +260,10 @@ static void splits_not_tried_where_the_step_writes(void **state) {
 }
 
 /* Steps that each leave their plan (the order of the buffers turns by one every step, as routed
- * experts change from token to token) time nothing; after a few the trials stop, so that such a
+ * experts change from token to token) time nothing; after a few the trials pause, so that such a
  * program's steps do not each end waiting for their device work, and the summary says why. The
- * first steps that follow their plan again time the pipelines. */
-static void trials_stop_while_every_step_leaves_its_plan(void **state) {
+ * first step that follows its plan again resumes the trials at the pipeline they paused at. */
+static void trials_pause_while_every_step_leaves_its_plan(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
     enum { NB = 8 };
@@ -271,9 +271,26 @@ static void trials_stop_while_every_step_leaves_its_plan(void **state) {
     spw_buf *b[NB];
     for (int i = 0; i < NB; i++) assert_ok(spw_buf_create(ctx, 8 * MiB, SPW_BUF_READ_ONLY, &b[i]));
     long none = 0;
-    for (int s = 0; s < 30; s++) {
-        int turn = s < 10 ? s : 0;
+    char paused_at[64] = "";
+    for (int s = 0; s < 40; s++) {
+        int turn = s >= 5 && s < 15 ? s : 0; /* in order, then turning, then in order again */
         assert_ok(spw_step_begin(ctx));
+        if (s == 5 || s == 17) { /* the trial this step runs */
+            char *text = test_summary(ctx, 0);
+            const char *now = strstr(text, "timing pipelines: ");
+            if (!now) fail_msg("step %d: want the pipelines being timed: %.300s", s, strstr(text, "policy plan"));
+            const char *of = strstr(now, " of 4)");
+            assert_non_null(of);
+            char here[64];
+            snprintf(here, sizeof here, "%.*s", (int)(of - now), now);
+            if (s == 5) {
+                assert_true(of[-1] > '1'); /* a trial after the first */
+                strcpy(paused_at, here);
+            } else if (strcmp(here, paused_at)) {
+                fail_msg("want the trials resumed at \"%s\", not \"%s\"", paused_at, here);
+            }
+            free(text);
+        }
         for (int i = 0; i < NB; i++) {
             void *d;
             spw_buf *x = b[(i + turn) % NB];
@@ -282,11 +299,11 @@ static void trials_stop_while_every_step_leaves_its_plan(void **state) {
             assert_ok(spw_release(x, NULL));
         }
         assert_ok(spw_step_end(ctx));
-        if (s == 9) {
+        if (s == 14) {
             char *text = test_summary(ctx, 0);
             const char *line = strstr(text, "policy plan");
-            if (!strstr(text, "pipeline double buffer; the steps leave their plan (9 in a row): no pipeline timed"))
-                fail_msg("after 9 steps that left their plan, want the trials stopped: %.300s", line);
+            if (!strstr(text, "pipeline double buffer; the steps leave their plan (10 in a row): no pipeline timed"))
+                fail_msg("after 10 steps that left their plan, want the trials paused: %.300s", line);
             free(text);
         }
     }
@@ -308,7 +325,7 @@ int main(void) {
         cmocka_unit_test(a_hiccup_in_a_trial_does_not_decide),
         cmocka_unit_test(a_slow_settle_step_ends_its_trial),
         cmocka_unit_test(nothing_timed_when_everything_fits),
-        cmocka_unit_test(trials_stop_while_every_step_leaves_its_plan),
+        cmocka_unit_test(trials_pause_while_every_step_leaves_its_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
