@@ -77,13 +77,28 @@ static bool plan_writes(const spw_policy *p) {
     return false;
 }
 
+/* Run trial i from its settle step. */
+static void enter_trial(spw_policy *p, int i) {
+    p->trial = i;
+    p->trial_step = 0;
+    p->early_max = EARLY_TRIALS[i];
+    spw__plan_fix_for_pipeline(p);
+}
+
+/* Run the double buffer, no trial open (everything fits, or the steps leave their plan). */
+static void untimed_double_buffer(spw_policy *p) {
+    p->trial = -1;
+    p->trial_step = 0;
+    p->chosen = trial_of(0);
+    p->early_max = 0;
+    spw__plan_fix_for_pipeline(p);
+}
+
 /* Move the trials past the splits where the plan writes; a trial left out is not compared. */
 static void skip_split_trials(spw_policy *p) {
     if (p->trial < 0 || p->trial >= N_TRIALS || !spw__plan_fixed_pipeline(EARLY_TRIALS[p->trial]) || !plan_writes(p)) return;
     while (p->trial < N_TRIALS - 1 && spw__plan_fixed_pipeline(EARLY_TRIALS[p->trial])) p->trials_left_out |= 1u << p->trial++;
-    p->trial_step = 0;
-    p->early_max = EARLY_TRIALS[p->trial];
-    spw__plan_fix_for_pipeline(p);
+    enter_trial(p, p->trial);
 }
 
 static void trials_start(spw_policy *p) {
@@ -137,10 +152,7 @@ static bool trials_skipped(spw_policy *p) {
     bool fit = spw__plan_evictions(p) == p->evictions0 && spw__plan_total(p) <= spw__plan_capacity(p);
     if (fit && !p->all_fit) {
         p->all_fit = true;
-        p->trial = -1;
-        p->chosen = trial_of(0);
-        p->early_max = 0;
-        spw__plan_fix_for_pipeline(p);
+        untimed_double_buffer(p);
     } else if (!fit && p->all_fit) {
         p->all_fit = false;
         trials_start(p);
@@ -155,20 +167,13 @@ static bool trials_skipped(spw_policy *p) {
 static bool diverged_steps(spw_policy *p) {
     if (p->diverging && p->last_exact) {
         p->diverging = false;
-        p->trial = p->paused_trial;
-        p->trial_step = 0;
-        p->early_max = EARLY_TRIALS[p->trial];
-        spw__plan_fix_for_pipeline(p);
+        enter_trial(p, p->paused_trial);
         return false;
     }
     if (p->diverging || p->trial < 0 || p->diverged < DIVERGED_STEPS) return p->diverging;
     p->diverging = true;
     p->paused_trial = p->trial;
-    p->trial = -1;
-    p->trial_step = 0;
-    p->early_max = 0;
-    p->chosen = trial_of(0);
-    spw__plan_fix_for_pipeline(p);
+    untimed_double_buffer(p);
     return true;
 }
 
