@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import _lib
 from ..core import Context, format_size
-from . import _added, _adapters, _ahead, _alloc, _edits, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
+from . import _added, _adapters, _ahead, _alloc, _edits, _experts, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._units import _Unit, _param_owners, running_stats
@@ -48,6 +48,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._average = _parallel.resolve(process_group, optimizer is not None)
     off._ddp_hidden: Any = None  # what _parallel.hide_offloaded changed, for remove()
     backend, dev = _resolve_device(options.pop("backend", "auto"), device)
+    split_experts = _experts.resolve(options.pop("experts", "auto"))
     off.module = module
     off.device = dev
     off.backend = backend
@@ -70,11 +71,13 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     # ---- the units (nothing moves yet) and the room a forward needs ----
     off._given_blocks = blocks is not None
     lay = _setup.layout(module, blocks, names, trainable, kept, optimizer, train_on_device, budget_v,
-                        shared is not None, ctx_opts, activations, recompute)
+                        shared is not None, ctx_opts, activations, recompute, split_experts)
     kept, units, needs, hooked = lay.kept, lay.units, lay.needs, lay.hooked
     off.min_budget, budget_v, ctx_opts = lay.min_budget, lay.budget, lay.ctx_opts
     off.device_trained_bytes = lay.device_trained
     off.stack_segments = lay.stack  # plain segments chosen for the units of a stack (_partition.a_stack)
+    # modules whose fused experts move expert by expert (_experts), by id of the module
+    off._fused = {id(f.module): f for f in lay.fused}
     off.in_pipeline = context is not None  # one of several modules offloaded into one context
     off._owns_context = shared is None
     off.context = shared or Context(budget=budget_v, policy=policy, backend=backend, **ctx_opts)
@@ -178,8 +181,12 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     try:
         owners = _param_owners(module)
         pageable = off.context.stats()["host_pageable"]["current"]
+        sliced = {id(u) for f in off._fused.values() for u in f.all_units()}
         for u in units:
-            _views.pack(off, u, owners)
+            if id(u) not in sliced:
+                _views.pack(off, u, owners)
+        for f in off._fused.values():
+            _experts.pack(off, f)
         _warn_pageable(off.context.stats()["host_pageable"]["current"] - pageable, sum(u.nbytes for u in units))
         off._edits = _edits.HostEdits(units)
         if off._train:
@@ -200,8 +207,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
         install(off, module, hooked)
         if recompute:
             off._recompute = _recompute.install(off, recompute, budget_v if shared is not None else None)
-        off._ddp_hidden = _parallel.hide_offloaded(module, (e.tensor for u in units for e in u.entries
-                                                             if not (e.tensor.requires_grad and off._train)))
+        off._ddp_hidden = _parallel.hide_offloaded(module, offloaded_tensors(off))
         if off._train:
             _train.wrap_step(off, optimizer)
             if overlap_update:
@@ -217,6 +223,15 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     _setup.ACTIVE[module] = weakref.ref(off)
     return off
 
+
+
+def offloaded_tensors(off: "Offload") -> List[torch.Tensor]:
+    """The tensors the modules hold that the offload moves for inference: its entries' (but
+    the parameters optimizer= trains) and the fused experts parameters whose slices are its
+    entries."""
+    out = [e.tensor for u in off.units for e in u.entries
+           if not (e.tensor.requires_grad and off._train)]
+    return out + [p for f in off._fused.values() for p in f.params]
 
 
 def _warn_pageable(refused: int, total: int) -> None:
@@ -236,7 +251,9 @@ def install(off: "Offload", module: nn.Module, hooked: List[nn.Module]) -> None:
     off._top_units = off._needs.get(id(module), [])
     below = [m for m in hooked if m is not module]  # the top level acquires its own units in its wrapper
     for m in below:
-        _patch.wrap_forward(off, m, off._block_forward(m, m.forward, off._needs[id(m)]))
+        f = off._fused.get(id(m))
+        inner = m.forward if f is None else _experts.forward(off, f, m.forward)
+        _patch.wrap_forward(off, m, off._block_forward(m, inner, off._needs[id(m)]))
     _patch.swap_device_property(off, module)
     _patch.guard_conversions(off, module)
     _adapters.watch_merges(off, module.modules())

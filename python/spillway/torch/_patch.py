@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import errors as _errors
 from ..errors import ConfigError
-from . import _added, _methods, _parallel, _train, _wrapped
+from . import _added, _experts, _methods, _parallel, _train, _wrapped
 from ._setup import ACTIVE
 
 
@@ -55,6 +55,7 @@ def guard_conversions(off: Any, module: nn.Module) -> None:
                                   f"{type(self).__name__} into {got}; convert the model before offload() "
                                   "(remove() the offload first)")
         ids = {id(e.tensor) for u in off.units for e in u.entries}
+        ids.update(id(p) for f in off._fused.values() for p in f.params)
         hidden = [(d, k, t) for m in self.modules() for d in (m._parameters, m._buffers)
                   for k, t in d.items() if t is not None and id(t) in ids]
         for d, k, _ in hidden:
@@ -139,6 +140,8 @@ def undo(off: Any) -> None:
     if getattr(off, "_orig_class", None) is not None:
         off.module.__class__ = off._orig_class
         off._orig_class = None
+    for f in getattr(off, "_fused", {}).values():
+        _experts.undo(f)
     for u in off.units:
         for e in u.entries:
             if e.parts and e.parts[0].host_view is not None:

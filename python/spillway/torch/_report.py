@@ -180,6 +180,12 @@ def summary(off: Any) -> str:
     line = _subclass_line(off)
     if line:
         lines.append(line)
+    if off._fused:
+        fs = list(off._fused.values())
+        n = sum(len(f.all_units()) for f in fs)
+        lines.append(f"  fused experts     {_plural(len(fs), 'module')} of {fs[0].experts} experts "
+                     f"({fs[0].label}, ...) moved expert by expert: {_plural(n, 'unit')}, one an expert and "
+                     "parameter; they run the eager experts function")
     if off.optimizer is not None:
         trained = _train.offloaded_trained(off)
         nb = sum(e.nbytes for e in trained)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core import format_size, parse_size
 from ..errors import ConfigError, InvalidArgument, StateError
-from . import _partition, _train
+from . import _experts, _partition, _train
 from ._device import _ARENA_PAGE, _SMALL_LIMIT, _arena_page, _large_page, conf_option
 from ._units import _Unit, _align, _held_together, _module_names, _nbytes, _plan_units
 
@@ -189,6 +189,7 @@ class Layout(NamedTuple):
     ctx_opts: Dict[str, Any]  # the context's options, its defaults filled in
     device_trained: int  # bytes the parameters trained on the device take with gradients and state
     stack: bool = False  # plain segments chosen for the context: the units are a stack's (_partition.a_stack)
+    fused: Tuple[_experts.Fused, ...] = ()  # modules whose fused experts move expert by expert
 
 
 def in_segments(ctx_opts: Dict[str, Any]) -> bool:
@@ -200,7 +201,7 @@ def in_segments(ctx_opts: Dict[str, Any]) -> bool:
 def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict[int, str],
            grads: Dict[int, Tuple[str, torch.Tensor]], kept: Dict[int, Tuple[str, torch.Tensor]],
            optimizer: Any, train_on_device: Any, budget: int, shared: bool, ctx_opts: Dict[str, Any],
-           activations: bool, recompute: Any = False) -> Layout:
+           activations: bool, recompute: Any = False, split_experts: bool = True) -> Layout:
     """The units and the room they need for a budget; with optimizer=, first which trainable
     parameters are trained on the device (trained_on_device), whose bytes, gradients and state
     the budget then gives up in whole arena pages (under a shared context they are its
@@ -221,8 +222,10 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                     f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget)}) or more; "
                     "lower it")
             streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
-            made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed,
-                                        training=optimizer is not None, segments=not shared and in_segments(ctx_opts))
+            made, needs, hooked, fused = units(module, blocks, kept, grads, names, ctx_budget, streamed,
+                                               training=optimizer is not None,
+                                               segments=not shared and in_segments(ctx_opts),
+                                               split_experts=split_experts)
             # An offload's own context for inference keeps a stack's units in plain segments
             # where they stream (the budget cannot hold them all), unless the options name the
             # arena's mode or its pages (_partition.a_stack).
@@ -231,12 +234,13 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                      and sum(u.nbytes for u in made) > ctx_budget and _partition.a_stack(u.nbytes for u in made))
             if stack:
                 opts["vmm"] = "off"
-                made, needs, hooked = units(module, blocks, kept, grads, names, ctx_budget, streamed, segments=True)
+                made, needs, hooked, fused = units(module, blocks, kept, grads, names, ctx_budget, streamed,
+                                                   segments=True, split_experts=split_experts)
             if not made:  # every parameter trained on the device: nothing streams
                 return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
             page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
-            need = check_room(module, made, needs, names, page, ctx_budget)
-            return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost, stack)
+            need = check_room(module, made, needs, names, page, ctx_budget, fused)
+            return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost, stack, fused)
         except (ConfigError, InvalidArgument):
             if optimizer is None or train_on_device != "auto" or not kept:
                 raise
@@ -251,25 +255,34 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
 
 def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[int, Any],
           grads: Dict[int, Any], names: Dict[int, str], budget: int, streamed: int,
-          training: bool = False,
-          segments: bool = False) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
-    """(units, id(module) -> the units its hook acquires, the hooked modules): blocks=[...] as
-    given, else the partition of the module tree for the budget (_partition.py), of which
-    `streamed` bytes of trained weights cross the link every step, in a context of plain
-    segments or not. Training (optimizer=) may leave nothing to offload: every parameter
-    trained on the device."""
+          training: bool = False, segments: bool = False,
+          split_experts: bool = True) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module],
+                                           Tuple[_experts.Fused, ...]]:
+    """(units, id(module) -> the units its hook acquires, the hooked modules, the modules whose
+    fused experts move expert by expert): blocks=[...] as given, else the partition of the
+    module tree for the budget (_partition.py), of which `streamed` bytes of trained weights
+    cross the link every step, in a context of plain segments or not. Training (optimizer=)
+    may leave nothing to offload: every parameter trained on the device; the parameters it
+    trains are never split by expert, nor any without split_experts (offload's experts="whole")."""
+    fused: Dict[int, _experts.Fused] = {}
     if blocks is not None:
         groups = [[b] for b in blocks]
     else:
         lo, hi = _partition.bounds(budget, streamed, segments)
         groups = _partition.partition(module, set(kept), lo, hi)
-    out = _plan_units(module, groups, set(kept), names)
-    if not out[0] and not (training and len(kept) == len(grads)):
+        # a module inside a unit that cannot be split (a wrapper re-parametrizing its tensors:
+        # peft's LoRA on a Parameter) moves whole with it
+        inside = {id(x) for g in groups for b in g for x in b.modules() if x is not b}
+        if split_experts:
+            fused = {k: f for k, f in _experts.find(module, set(grads) if training else set(kept), hi,
+                                                    names).items() if k not in inside}
+    made, needs, hooked = _plan_units(module, groups, set(kept), names, fused)
+    if not made and not (training and len(kept) == len(grads)):
         raise InvalidArgument(
             f"offload: nothing to offload: all {len(grads)} parameters of {type(module).__name__} require "
             "grad, and trainable parameters stay resident. Freeze the weights first "
             "(module.requires_grad_(False)), keeping only adapters trainable")
-    return out
+    return made, needs, hooked, tuple(fused.values())
 
 
 def own_context_options(ctx_opts: Dict[str, Any], units: Sequence[_Unit], activations: bool) -> int:
@@ -290,11 +303,13 @@ def own_context_options(ctx_opts: Dict[str, Any], units: Sequence[_Unit], activa
 
 
 def check_room(module: nn.Module, units: Sequence[_Unit], needs: Dict[int, List[_Unit]], names: Dict[int, str],
-               page: int, budget: int) -> int:
+               page: int, budget: int, fused: Sequence[_experts.Fused] = ()) -> int:
     """The least budget a forward can run in (returned), checked against budget: the device
     arena maps memory in pages, so a unit occupies at least its size rounded up, and a forward
     holds a module's units with those of the hooked modules around it, each in whole arena
-    pages (units up to the small-block limit share the small arena's pages)."""
+    pages (units up to the small-block limit share the small arena's pages). A module of fused
+    experts may hold every expert's units at once (a prefill picks them all), with its own
+    and the top level's."""
     def footprint(held: Sequence[_Unit]) -> int:
         small = sum(u.nbytes for u in held if u.nbytes <= _SMALL_LIMIT)
         return sum(_align(u.nbytes, page) for u in held if u.nbytes > _SMALL_LIMIT) + _align(small, _ARENA_PAGE)
@@ -302,6 +317,11 @@ def check_room(module: nn.Module, units: Sequence[_Unit], needs: Dict[int, List[
     largest = max(units, key=lambda u: u.nbytes)
     need, holder, held = _held_together(module, needs, names, footprint)
     need = max(need, footprint([largest]))
+    for f in fused:
+        with_it = needs.get(id(f.module), []) + [u for u in needs.get(id(module), []) if f.module is not module]
+        n = footprint(with_it + f.all_units())
+        if n > need:
+            need, holder, held = n, f.label, with_it + f.all_units()
     if budget < need:
         what = (f"the largest unit, {largest.name} ({format_size(largest.nbytes)}" if len(held) <= 1 else
                 f"what {holder} holds at once, {len(held)} units ("

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import ConfigError
 from . import _partition, _wrapped
 
+_SPLIT = object()  # owner of a fused experts parameter: split by expert, in units of its slices (_experts)
 _ALIGN = 256  # offset alignment of each tensor inside its unit's pack
 _SMALL = 1 << 20  # a tensor below this, in a block with larger ones, goes to the blocks' shared unit
 
@@ -216,14 +217,18 @@ def running_stats(module: nn.Module) -> Dict[int, torch.Tensor]:
 
 
 def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set,
-                names: Dict[int, str]) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
+                names: Dict[int, str], fused: Optional[Dict[int, Any]] = None
+                ) -> Tuple[List[_Unit], Dict[int, List[_Unit]], List[nn.Module]]:
     """The units of module (nothing moves yet): (units, id(module) -> the units its hook acquires,
     the modules to hook). Each group (a block, or a run of neighbouring modules) is one unit
     over the tensors of its modules' subtrees; every other module with tensors of its own is
     one; a tensor goes to the first unit that reaches it, so a tied weight is stored once.
     trainable: ids of the parameters that stay resident; running statistics stay too
-    (running_stats)."""
-    owner: Dict[int, _Unit] = {}  # id(tensor) -> unit
+    (running_stats). fused: id(module) -> _experts.Fused for the modules whose fused experts
+    are split by expert (_experts.find): those parameters go to a unit a slice
+    (Fused.make_units), and the module is hooked whatever else it holds."""
+    fused = fused or {}
+    owner: Dict[int, Any] = {id(p): _SPLIT for f in fused.values() for p in f.params}  # id(tensor) -> unit
     units: List[_Unit] = []
     needs: Dict[int, List[_Unit]] = {}  # id(module) -> units its hook acquires
     hooked: List[nn.Module] = []
@@ -239,6 +244,8 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
         used: List[_Unit] = []
         for n, t, is_buf in tensors_of(mod, recurse):
             u = owner.get(id(t))
+            if u is _SPLIT:
+                continue
             if u is None:
                 u = small if small is not None and _nbytes(t) < limit else unit
                 owner[id(t)] = u
@@ -304,6 +311,11 @@ def _plan_units(module: nn.Module, groups: List[List[nn.Module]], trainable: set
             if u.entries:
                 units.append(u)
             hook(m, used)
+    for f in fused.values():  # wherever the partition placed it, its forward is hooked
+        units.extend(f.make_units(prefix(f.module), len(units)))
+        if id(f.module) not in needs:
+            needs[id(f.module)] = []
+            hooked.append(f.module)
     if small.entries:
         top = needs.setdefault(id(module), [])
         if small not in top:
