@@ -90,7 +90,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                      attn_layer_period=3, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
                                      mamba_expand=2, use_mamba_kernels=False))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
-    for mt, extra in (("nemotron", {}), ("smollm3", {}), ("glm", {}), ("glm4", {}), ("helium", {}), ("arcee", {}),
+    for mt, extra in (("nemotron", {}), ("smollm3", {}), ("glm", {}), ("glm4", {}), ("helium", dict(head_dim=64)), ("arcee", {}),
                       ("ernie4_5", {}), ("seed_oss", {}), ("hunyuan_v1_dense", {}), ("exaone4", dict(sliding_window=32)),
                       ("olmoe", dict(num_experts=8, num_experts_per_tok=2)),
                       ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -108,7 +108,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                          mamba_n_groups=1, mamba_chunk_size=64, head_dim=64)),
                       ("bamba", dict(mamba_d_state=16, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
                                      mamba_chunk_size=64, attn_layer_indices=[2])),
-                      ("dbrx", dict(d_model=512, n_heads=8, n_layers=4, max_seq_len=1024, attn_config={"kv_n_heads": 4},
+                      ("dbrx", dict(d_model=512, n_heads=8, n_layers=4, max_seq_len=1024, attn_config={"kv_n_heads": 4, "rope_theta": 10000.0},
                                     ffn_config={"ffn_hidden_size": 1024, "moe_num_experts": 4, "moe_top_k": 2}))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
 
@@ -306,7 +306,11 @@ def check_lora(name, kind, config, inputs, auto, args) -> Dict[str, Any]:
     import peft
     base = build(config, auto).requires_grad_(False)
     targets = {"mamba": ["in_proj", "x_proj", "dt_proj"], "mamba2": ["in_proj"]}.get(name, "all-linear")  # peft refuses the rest
-    ref = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    # peft's LoRA cannot wrap a router whose linear layer returns a tuple (PhiMoE, Llama 4) nor
+    # Falcon-H1's Mamba mixers: those stay frozen
+    skip = {"phimoe": r".*\.router$", "llama4_text": r".*\.router$", "falcon_h1": r".*\.mamba\..*"}.get(name)
+    extra = {"exclude_modules": skip} if skip else {}
+    ref = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, **extra))
     with torch.no_grad():
         for n, p in ref.named_parameters():
             if "lora_B" in n:
