@@ -108,7 +108,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                          mamba_n_groups=1, mamba_chunk_size=64, head_dim=64)),
                       ("bamba", dict(mamba_d_state=16, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
                                      mamba_chunk_size=64, attn_layer_indices=[2])),
-                      ("dbrx", dict(d_model=512, n_heads=8, n_layers=4, max_seq_len=1024, attn_config={"kv_n_heads": 4, "rope_theta": 10000.0},
+                      ("dbrx", dict(d_model=512, n_heads=8, n_layers=4, max_seq_len=1024, attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
                                     ffn_config={"ffn_hidden_size": 1024, "moe_num_experts": 4, "moe_top_k": 2}))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
 

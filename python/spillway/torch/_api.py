@@ -116,8 +116,9 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     unknown one is a ConfigError. experts="auto" (the default) moves a mixture's fused experts
     (one 3D tensor a projection, transformers 5's layout) expert by expert, running the eager
     experts function, where a layer's experts are more than a unit; "whole" keeps each layer's
-    experts one unit (faster when most experts run every step: large decode batches). While spillway.torch.use_allocator is active, the weights use
-    its context of the device (its budget; budget and the context options here are not used).
+    experts one unit (can be faster where nearly every expert runs every step). While
+    spillway.torch.use_allocator is active, the weights use its context of the device (its
+    budget; budget and the context options here are not used).
     A unit that cannot be made resident during a forward raises spillway.torch.OutOfMemoryError,
     which is also torch's out-of-memory error. On any error the module is unchanged.
     """
