@@ -282,3 +282,35 @@ def test_experts_whole_keeps_each_layers_experts_one_unit():
         x = _token(3, 2)
         assert torch.equal(m(x), ref(x))
     off.remove()
+
+
+def test_gradients_flow_through_fused_experts_to_resident_adapters():
+    """Frozen fused experts, trainable modules beside them (adapters kept resident): the
+    backward re-acquires the experts' slices it saved, and every gradient equals resident's."""
+    torch.manual_seed(7)
+    m = FusedMoEModel(layers=2)
+    for name, p in m.named_parameters():
+        p.requires_grad_(name.startswith("attn."))
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="16MiB", backend="emu", vmm="on")
+    assert len(_expert_units(off)) == 32
+    x = _token(11, 4)
+    m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (n, a), b in zip(m.named_parameters(), ref.parameters()):
+        if b.requires_grad:
+            assert torch.equal(a.grad, b.grad), n
+    assert off.saved_reacquires > 0  # the backward brought saved slices back
+    off.remove()
+
+
+def test_a_budget_below_a_layers_experts_is_refused_before_anything_moves():
+    """A forward holds the experts it picks until it returns, all of them in a prefill: a budget
+    below one layer's experts is a ConfigError naming the module, and the model is unchanged."""
+    torch.manual_seed(8)
+    m = FusedMoEModel(layers=2).requires_grad_(False)
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="moe.0.experts|experts"):
+        spt.offload(m, budget="8MiB", backend="emu", vmm="on")  # a layer's experts: 12 MiB
+    assert [p.data_ptr() for p in m.parameters()] == before
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
