@@ -314,3 +314,20 @@ def test_a_budget_below_a_layers_experts_is_refused_before_anything_moves():
         spt.offload(m, budget="8MiB", backend="emu", vmm="on")  # a layer's experts: 12 MiB
     assert [p.data_ptr() for p in m.parameters()] == before
     assert all("forward" not in mod.__dict__ for mod in m.modules())
+
+
+def test_experts_stay_whole_where_their_slices_need_more_room_than_the_layer():
+    """Slices of 1.125 MiB take a 2 MiB arena page each: a layer's experts need 22 MiB of
+    room in slices, 14 whole. Under 20 MiB the offload keeps them whole rather than refusing."""
+    torch.manual_seed(9)
+    m = FusedMoEModel(layers=2, f=576).requires_grad_(False)
+    ref = copy.deepcopy(m)
+    off = spt.offload(m, budget="20MiB", backend="emu", vmm="on")
+    assert not off._fused and not _expert_units(off)
+    with torch.no_grad():
+        x = _token(4, 3)
+        assert torch.equal(m(x), ref(x))
+    off.remove()
+    off = spt.offload(m, budget="40MiB", backend="emu", vmm="on")  # room for the slices: split
+    assert len(_expert_units(off)) == 32
+    off.remove()

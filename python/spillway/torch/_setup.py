@@ -222,25 +222,37 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
                     f"({format_size(paged)} in whole pages): the whole budget ({format_size(budget)}) or more; "
                     "lower it")
             streamed = _nbytes_of(grads) - _nbytes_of(kept) if optimizer is not None else 0
-            made, needs, hooked, fused = units(module, blocks, kept, grads, names, ctx_budget, streamed,
-                                               training=optimizer is not None,
-                                               segments=not shared and in_segments(ctx_opts),
-                                               split_experts=split_experts)
-            # An offload's own context for inference keeps a stack's units in plain segments
-            # where they stream (the budget cannot hold them all), unless the options name the
-            # arena's mode or its pages (_partition.a_stack).
-            stack = (not shared and optimizer is None and not activations
-                     and all(conf_option(ctx_opts, k) is None for k in ("vmm", "vmm_large_page"))
-                     and sum(u.nbytes for u in made) > ctx_budget and _partition.a_stack(u.nbytes for u in made))
-            if stack:
-                opts["vmm"] = "off"
+
+            def arrange(split: bool) -> Layout:
+                opts = dict(ctx_opts)
                 made, needs, hooked, fused = units(module, blocks, kept, grads, names, ctx_budget, streamed,
-                                                   segments=True, split_experts=split_experts)
-            if not made:  # every parameter trained on the device: nothing streams
-                return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
-            page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
-            need = check_room(module, made, needs, names, page, ctx_budget, fused)
-            return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost, stack, fused)
+                                                   training=optimizer is not None,
+                                                   segments=not shared and in_segments(ctx_opts),
+                                                   split_experts=split)
+                # An offload's own context for inference keeps a stack's units in plain segments
+                # where they stream (the budget cannot hold them all), unless the options name the
+                # arena's mode or its pages (_partition.a_stack).
+                stack = (not shared and optimizer is None and not activations
+                         and all(conf_option(ctx_opts, k) is None for k in ("vmm", "vmm_large_page"))
+                         and sum(u.nbytes for u in made) > ctx_budget and _partition.a_stack(u.nbytes for u in made))
+                if stack:
+                    opts["vmm"] = "off"
+                    made, needs, hooked, fused = units(module, blocks, kept, grads, names, ctx_budget, streamed,
+                                                       segments=True, split_experts=split)
+                if not made:  # every parameter trained on the device: nothing streams
+                    return Layout(kept, made, needs, hooked, 0, ctx_budget, opts, cost)
+                page = _ARENA_PAGE if shared else own_context_options(opts, made, activations)
+                try:
+                    need = check_room(module, made, needs, names, page, ctx_budget, fused)
+                except ConfigError:
+                    if not fused:
+                        raise
+                    # a layer's experts in slices can need more room than the layer whole (each
+                    # slice is whole arena pages, and a prefill holds them all): whole, then
+                    return arrange(False)
+                return Layout(kept, made, needs, hooked, need, ctx_budget, opts, cost, stack, fused)
+
+            return arrange(split_experts)
         except (ConfigError, InvalidArgument):
             if optimizer is None or train_on_device != "auto" or not kept:
                 raise
