@@ -241,6 +241,14 @@ if has moe; then
   SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 150 \
     python3 bench/dev/moe_decode.py ${MOE_ARGS:-} >"$OUT/moe.txt" 2>&1 || rc=1
   tail -8 "$OUT/moe.txt"
+  # transformers' fused experts, expert by expert against whole (bench/dev/hf_moe_decode.py)
+  log "bench/dev/hf_moe_decode.py"
+  for args in "--arch qwen3_moe --layers 12 --budget 4GiB --batch 1" "--arch qwen3_moe --layers 12 --budget 4GiB --batch 4" \
+              "--arch mixtral --layers 4 --budget 6GiB --batch 1" "--arch mixtral --layers 4 --budget 6GiB --batch 4"; do
+    echo "--- hf_moe_decode.py $args"
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 150 \
+      python3 bench/dev/hf_moe_decode.py $args 2>>"$OUT/hf_moe.err" | tee -a "$OUT/hf_moe.txt" || rc=1
+  done
 fi
 log "done rc=$rc"
 exit $rc
