@@ -10,15 +10,19 @@ answers its device tensor, so the eager experts function (a loop over the expert
 unchanged on the same 2D slices a resident module computes with. The experts the router picked
 (the call's top_k_index) are acquired before the function runs, so their uploads are enqueued
 back to back rather than one at each step of its loop (which waits on the host for its picks
-every step). The units acquired are held until the forward returns. Any other use of the parameter (a batched kernel taking the whole
-tensor) gets the whole tensor, gathered on the device expert by expert: correct, and as costly
-as moving the layer, so the forward runs the eager function where the module dispatches on
-`config._experts_implementation` (transformers' experts modules).
+every step). The units acquired are held until the forward returns. Any other use of the
+parameter (a batched kernel taking the whole tensor) gets the whole tensor, gathered on the
+device expert by expert: correct, and as costly as moving the layer, so the forward runs the
+eager function where the module dispatches on `config._experts_implementation` (transformers'
+experts modules).
 
 A module is split so when it has 3D parameters of one leading size (the experts), its source
-indexes at least one of them as self.name[...], and its tensors are more than a unit may hold;
+indexes at least one of them as self.name[...], and its tensors are more than a unit may hold
+(_setup keeps it whole where the slices need more room than the budget has and the whole fits);
 2D parameters of that leading size that it indexes so (per-expert biases) are split with them.
-No spillway calls here but through the Offload's acquire and release."""
+Between forwards the parameter's host tensor spans one pinned range a slice: CUDA refuses one
+copy across them, so it is copied to a device slice by slice (remove() does). No spillway calls
+here but through the Offload's acquire and release."""
 from __future__ import annotations
 
 import functools
