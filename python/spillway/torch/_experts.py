@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import mmap
 import operator
 import re
 import time
@@ -77,10 +76,6 @@ class Fused:
 
     def all_units(self) -> List[_Unit]:
         return [u for n in self.names for u in self.units[n]]
-
-    def one_expert(self) -> List[_Unit]:
-        """The units of the largest expert's slices, one a parameter (what one expert holds)."""
-        return [max(self.units[n], key=lambda u: u.nbytes) for n in self.names]
 
 
 def _slices(p: torch.Tensor) -> List[torch.Tensor]:
@@ -154,13 +149,7 @@ def pack(off: Any, f: Fused) -> None:
         units = f.units[n]
         one = units[0].nbytes
         stride = _align(one, _PAGE)
-        mem = mmap.mmap(-1, stride * f.experts, flags=mmap.MAP_PRIVATE)
-        if stride * f.experts >= (2 << 20) and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                mem.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        flat = torch.frombuffer(mem, dtype=torch.uint8)
+        flat = torch.frombuffer(_views.mapping(stride * f.experts), dtype=torch.uint8)
         esize = p.element_size()
         rows = [1]  # the contiguous strides of a slice
         for d in reversed(p.shape[2:]):

@@ -282,10 +282,10 @@ def units(module: nn.Module, blocks: Optional[Sequence[nn.Module]], kept: Dict[i
     else:
         lo, hi = _partition.bounds(budget, streamed, segments)
         groups = _partition.partition(module, set(kept), lo, hi)
-        # a module inside a unit that cannot be split (a wrapper re-parametrizing its tensors:
-        # peft's LoRA on a Parameter) moves whole with it
-        inside = {id(x) for g in groups for b in g for x in b.modules() if x is not b}
         if split_experts:
+            # a module inside a unit that cannot be split (a wrapper re-parametrizing its
+            # tensors: peft's LoRA on a Parameter) moves whole with it
+            inside = {id(x) for g in groups for b in g for x in b.modules() if x is not b}
             fused = {k: f for k, f in _experts.find(module, set(grads) if training else set(kept), hi,
                                                     names).items() if k not in inside}
     made, needs, hooked = _plan_units(module, groups, set(kept), names, fused)

@@ -27,14 +27,7 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
     their storage (transformers' save_pretrained drops all but one tensor of a storage shared
     by several, safetensors refuses them) sees the offloaded model's tensors as distinct."""
     reg = _align(u.nbytes, _PAGE)
-    mem = mmap.mmap(-1, reg, flags=mmap.MAP_PRIVATE)  # anonymous, private to the process
-    if reg >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        # the copy below faults every page in, and the registration pins each: in 2 MiB pages
-        # where the system allows them (transparent huge pages "madvise"), a 512th of the faults
-        try:
-            mem.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: small pages, as before
-            pass
+    mem = mapping(reg)
     pack = torch.frombuffer(mem, dtype=torch.uint8)
     for e in u.pieces:
         view = own_storage(mem, e.offset, e.nbytes, e.dtype, e.shape)
@@ -64,6 +57,19 @@ def pack(off: Any, u: _Unit, owners: Dict[int, List[Tuple[Dict[str, Any], str]]]
                 p.tensor = p.host_view
         else:
             e.tensor.data = e.host_view
+
+
+def mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous mapping of nbytes (whole pages), private to the process, for packs."""
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        # the copy into it faults every page in, and the registration pins each: in 2 MiB pages
+        # where the system allows them (transparent huge pages "madvise"), a 512th of the faults
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages, as before
+            pass
+    return mem
 
 
 def new_set(off: Any, u: _Unit) -> _DevSet:
