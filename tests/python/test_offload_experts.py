@@ -370,3 +370,20 @@ def test_fused_experts_under_the_training_options(how):
                 assert torch.equal(a.grad, b.grad), (step, n)
                 a.grad = b.grad = None
     off.remove()
+
+
+def test_expert_indices_read_as_torch_reads_them():
+    """An int, a 0-d integer tensor, negative, alone or first in a tuple of any length pick one
+    expert; anything else is not an expert index; out of range is torch's IndexError."""
+    from spillway.torch._experts import _expert_of
+    assert _expert_of(3, 8) == (3, None)
+    assert _expert_of(torch.tensor(5), 8) == (5, None)
+    assert _expert_of(-1, 8) == (7, None)
+    assert _expert_of((2,), 8) == (2, None)
+    assert _expert_of((2, slice(0, 4)), 8) == (2, slice(0, 4))
+    assert _expert_of((2, 0, 1), 8) == (2, (0, 1))
+    assert _expert_of(torch.tensor([1, 2]), 8) == (None, None)
+    assert _expert_of(slice(0, 2), 8) == (None, None)
+    assert _expert_of(torch.tensor(True), 8) == (None, None)
+    with pytest.raises(IndexError, match="out of bounds"):
+        _expert_of(8, 8)

@@ -194,7 +194,7 @@ def _expert_of(idx: Any, experts: int) -> Tuple[Optional[int], Any]:
     0-d integer tensor, alone or first in a tuple; (None, None) for any other index."""
     rest = None
     if type(idx) is tuple and idx:
-        idx, rest = idx[0], (idx[1:] if len(idx) > 2 else idx[1])
+        idx, rest = idx[0], (idx[1:] if len(idx) > 2 else idx[1] if len(idx) == 2 else None)
     if isinstance(idx, torch.Tensor):
         if idx.dim() != 0 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             return None, None
