@@ -116,10 +116,10 @@ PY
   done
 fi
 if has pytest; then
-  log "pytest tests/gpu/test_torch_offload_gpu.py test_torch_train_gpu.py test_peft_gpu.py test_quantized_gpu.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
-    python3 -m pytest -q -s tests/gpu/test_torch_offload_gpu.py tests/gpu/test_torch_train_gpu.py \
-    tests/gpu/test_peft_gpu.py tests/gpu/test_quantized_gpu.py >"$OUT/pytest-gpu.log" 2>&1 || rc=1
+  log "pytest tests/gpu/test_torch_offload_gpu.py test_torch_train_gpu.py test_peft_gpu.py test_quantized_gpu.py test_compile_gpu.py"
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 400 \
+    python3 -m pytest -q -s -p no:logging tests/gpu/test_torch_offload_gpu.py tests/gpu/test_torch_train_gpu.py \
+    tests/gpu/test_peft_gpu.py tests/gpu/test_quantized_gpu.py tests/gpu/test_compile_gpu.py >"$OUT/pytest-gpu.log" 2>&1 || rc=1
   grep -E "worst|passed|failed|Error" "$OUT/pytest-gpu.log" | tail -30
 fi
 if has peers; then

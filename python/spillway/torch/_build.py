@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import _lib
 from ..core import Context, format_size
-from . import _added, _adapters, _ahead, _alloc, _edits, _experts, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
+from . import _added, _adapters, _ahead, _alloc, _compile, _edits, _experts, _overlap, _parallel, _patch, _prehooks, _recompute, _setup, _train, _views
 from ._budget import resolve_budget
 from ._device import _resolve_device
 from ._units import _Unit, _param_owners, running_stats
@@ -178,6 +178,7 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off.final_stats: Optional[Dict[str, Any]] = None
 
     # ---- move: pack and register each unit; undo everything on failure ----
+    _compile.prepare()  # before any compiled call can reach the hooks
     try:
         owners = _param_owners(module)
         pageable = off.context.stats()["host_pageable"]["current"]

@@ -1,0 +1,142 @@
+"""torch.compile and an offloaded model, on a real GPU: the three ways users combine them
+(`torch.compile(model)` after `offload(model)`, `offload()` of a module torch.compile returned,
+`model.compile()` in place after `offload(model)`), each against the same compiled model fully
+resident: outputs equal over several forwards, the weights moving in each, no recompilation
+after the first forwards (the offload points the modules at other device tensors every forward,
+which must not be a new guard each time). Skipped without CUDA or torch.compile.
+
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python \\
+        python -m pytest -q -s tests/gpu/test_compile_gpu.py
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if not hasattr(torch, "compile"):
+    pytest.skip("needs torch.compile (torch 2.0 or later)", allow_module_level=True)
+
+import spillway.torch as spt  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from models import frozen, make_decoder, moved  # noqa: E402
+
+DEV = torch.device("cuda", torch.cuda.current_device())
+FORWARDS = 6
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _pair():
+    """A decoder (about 19 MiB of fp32 weights in 6 layers) and a resident copy of it."""
+    m = frozen(make_decoder(dim=256, heads=4, layers=6, vocab=512)).eval()
+    return m, copy.deepcopy(m).to(DEV)
+
+
+def _ids(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 512, (2, 16), generator=g).to(DEV)
+
+
+def _compiles() -> int:
+    from torch._dynamo.utils import counters
+    return sum(counters["stats"].values()) if "stats" in counters else 0
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"].get("unique_graphs", 0)
+
+
+def _check(run, ref_run, off) -> None:
+    with torch.no_grad():
+        for i in range(2):  # the first forwards compile
+            moved(off, lambda i=i: run(_ids(i)))
+        graphs = _frames()
+        for i in range(FORWARDS):
+            x = _ids(10 + i)
+            out = moved(off, lambda x=x: run(x))
+            ref = ref_run(x)
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+        assert _frames() == graphs, f"recompiled in the steady state: {graphs} graphs, then {_frames()}"
+
+
+def test_compile_after_offload():
+    m, ref = _pair()
+    off = spt.offload(m, budget="8MiB", backend="cuda")
+    try:
+        _check(torch.compile(m), torch.compile(ref), off)
+    finally:
+        off.remove()
+
+
+def test_offload_of_a_compiled_module():
+    m, ref = _pair()
+    cm = torch.compile(m)
+    off = spt.offload(cm, budget="8MiB", backend="cuda")
+    try:
+        _check(cm, torch.compile(ref), off)
+    finally:
+        off.remove()
+
+
+def test_compile_in_place_after_offload():
+    m, ref = _pair()
+    if not hasattr(m, "compile"):
+        pytest.skip("nn.Module.compile needs torch 2.2 or later")
+    off = spt.offload(m, budget="8MiB", backend="cuda")
+    try:
+        m.compile()
+        ref.compile()
+        _check(m, ref, off)
+    finally:
+        off.remove()
+
+
+_FRESH = r"""
+import copy, sys, torch
+sys.path.insert(0, sys.argv[1])
+from models import frozen, make_decoder, moved
+import spillway.torch as spt
+from spillway.torch import _compile
+dev = torch.device("cuda")
+loaded = "torch._dynamo" in sys.modules
+m = frozen(make_decoder(dim=256, heads=4, layers=6, vocab=512)).eval()
+ref = copy.deepcopy(m).to(dev)
+off = spt.offload(m, budget="8MiB", backend="cuda")
+waiting = _compile._finder is not None
+cm = torch.compile(m)
+with torch.no_grad():
+    for i in range(4):
+        x = torch.randint(0, 512, (2, 16), device=dev)
+        out = moved(off, lambda: cm(x))
+        torch.testing.assert_close(out[0], ref(x)[0], rtol=1e-5, atol=1e-5)
+off.remove()
+print("RESULT", loaded, waiting, _compile._finder is None)
+"""
+
+
+def test_compile_in_a_process_that_had_not_loaded_dynamo():
+    """offload() before anything imported Dynamo: the mark waits for torch.compile's import of
+    it (no Dynamo import by offload() itself), and the compiled forwards run and match."""
+    import subprocess
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _FRESH, here], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT"))
+    loaded, waiting, removed = line.split()[1:]
+    print(f"\n  Dynamo loaded before offload(): {loaded}; the finder waited: {waiting}; then left: {removed}")
+    assert removed == "True" and (loaded == "True" or waiting == "True")
