@@ -45,7 +45,7 @@ def timeline(model: torch.nn.Module, kw: Dict[str, Any], budget: int) -> Tuple[L
     bytes the top level holds throughout, the plain resident step in ms)."""
     params, names = _setup.check_module(model, None)
     grads, kept = _setup.trainable(model, params, None, None)
-    units, needs, hooked = _setup.units(model, None, kept, grads, names, budget, 0)
+    units, needs, hooked = _setup.units(model, None, kept, grads, names, budget, 0)[:3]
     sizes = {u.index: u.nbytes for u in units}
     top = {u.index for u in needs.get(id(model), [])}
     events: List[Tuple[torch.cuda.Event, int, int]] = []  # (event, +1 enter / -1 exit, module id)

@@ -107,9 +107,8 @@ def simulate(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], room: 
     return t1 - t0, m1 - m0
 
 
-def split(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: int, bytes_per_ms: float,
-          k: int, cycles: int) -> Tuple[float, float]:
-    """(ms of the last cycle, bytes uploaded in it) of the static split with room for k units."""
+def order_of_use(items: List[Tuple[float, List[int]]]) -> Tuple[List[int], Dict[int, int]]:
+    """(units in order of first use, unit -> index of its last interval)."""
     order: List[int] = []
     last: Dict[int, int] = {}
     for i, (_, need) in enumerate(items):
@@ -117,15 +116,34 @@ def split(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: i
             if u not in last:
                 order.append(u)
             last[u] = i
-    room = k * max(sizes[u] for u in order)
-    frac = max(budget - room, 0) / sum(sizes[u] for u in order)
-    fixed, acc = set(), 0.0
-    for u in order:  # spread: each unit earns its share of the fixed bytes, fixed once that covers it
+    return order, last
+
+
+def spread(order: List[int], sizes: Dict[int, int], room: int, forced: frozenset = frozenset()) -> set:
+    """The split's fixed set: `forced`, then units in order of first use, each earning its share of
+    the fixed bytes left and fixed once that covers it (spread evenly over the step)."""
+    rest = [u for u in order if u not in forced]
+    free = room - sum(sizes[u] for u in forced)
+    frac = max(free, 0) / max(sum(sizes[u] for u in rest), 1)
+    fixed, acc = set(forced), 0.0
+    for u in rest:
         acc += frac * sizes[u]
         if acc >= sizes[u]:
             fixed.add(u)
             acc -= sizes[u]
+    return fixed
+
+
+def stream(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], fixed: set, room: int,
+           bytes_per_ms: float, cycles: int) -> Tuple[float, float]:
+    """(ms of the last cycle, bytes uploaded in it): `fixed` stays resident, the other units stream
+    in their order of use through `room` bytes, each upload starting as soon as the link is free
+    and the room holds it (the units it replaces released). RuntimeError where a streamed unit
+    does not fit the room."""
+    order, last = order_of_use(items)
     streamed = [u for u in order if u not in fixed]
+    if streamed and max(sizes[u] for u in streamed) > room:
+        raise RuntimeError("a streamed unit does not fit its room")
     uploads = [(c, u) for c in range(cycles) for u in streamed]
     index = {key: j for j, key in enumerate(uploads)}
     ready: List[float] = []  # upload j done (the link takes them one after another)
@@ -159,10 +177,78 @@ def split(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: i
     return marks[-1] - marks[-2], float(sum(sizes[u] for u in streamed))
 
 
+def split(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: int, bytes_per_ms: float,
+          k: int, cycles: int) -> Tuple[float, float]:
+    """(ms of the last cycle, bytes uploaded in it) of the static split with room for k units."""
+    order, _ = order_of_use(items)
+    room = k * max(sizes[u] for u in order)
+    fixed = spread(order, sizes, budget - room)
+    return stream(items, sizes, fixed, budget - sum(sizes[u] for u in fixed), bytes_per_ms, cycles)
+
+
+def split_below(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: int, bytes_per_ms: float,
+                k: int, cycles: int) -> Tuple[float, float, int]:
+    """The static split whose streamed units are all at most a size T: every larger unit fixed,
+    room for k units of size T, the rest spread; the fastest T. (ms, bytes, T)."""
+    order, _ = order_of_use(items)
+    best = None
+    for t in sorted({sizes[u] for u in order}):
+        forced = frozenset(u for u in order if sizes[u] > t)
+        if sum(sizes[u] for u in forced) + k * t > budget:
+            continue
+        fixed = spread(order, sizes, budget - k * t, forced)
+        try:
+            ms, moved = stream(items, sizes, fixed, budget - sum(sizes[u] for u in fixed), bytes_per_ms, cycles)
+        except (RuntimeError, KeyError):
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, moved, t)
+    if best is None:
+        raise RuntimeError("no size fits")
+    return best
+
+
+def searched(items: List[Tuple[float, List[int]]], sizes: Dict[int, int], budget: int, bytes_per_ms: float,
+             cycles: int, start: set, tries: int, seed: int = 0) -> Tuple[float, float]:
+    """A fixed set improved from `start` by random swaps, adds and drops (each kept if the step
+    gets faster): how far a better choice of fixed set could go. (ms, bytes)."""
+    import random
+    rnd = random.Random(seed)
+    order, _ = order_of_use(items)
+
+    def cost(f: set) -> Tuple[float, float]:
+        room = budget - sum(sizes[u] for u in f)
+        if room < 0:
+            raise RuntimeError("over")
+        return stream(items, sizes, f, room, bytes_per_ms, 3)
+
+    cur = set(start)
+    cur_ms = cost(cur)[0]
+    for _ in range(tries):
+        f = set(cur)
+        a = [u for u in order if u not in f]
+        op = rnd.random()
+        if op < 0.4 and a:
+            f.add(rnd.choice(a))
+        elif op < 0.6 and f:
+            f.discard(rnd.choice(sorted(f)))
+        elif a and f:
+            f.discard(rnd.choice(sorted(f)))
+            f.add(rnd.choice(a))
+        try:
+            ms = cost(f)[0]
+        except (RuntimeError, KeyError):
+            continue
+        if ms < cur_ms:
+            cur, cur_ms = f, ms
+    return stream(items, sizes, cur, budget - sum(sizes[u] for u in cur), bytes_per_ms, cycles)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--cycles", type=int, default=6)
+    ap.add_argument("--search", type=int, default=0, help="also a fixed set searched by this many random moves")
     ap.add_argument("--resident-ms", default="", help="MODEL=MS,...: each timeline scaled to that resident step")
     args = ap.parse_args()
     for c in saved_cases(args.json, args.resident_ms):
@@ -174,6 +260,11 @@ def main() -> None:
         runs = [(rule, lambda rule=rule: simulate(items, sizes, room, bpm, rule, args.cycles))
                 for rule in ("belady", "conservative", "aggressive")]
         runs += [(f"split-{k}", lambda k=k: split(items, sizes, room, bpm, k, args.cycles)) for k in (2, 3, 4)]
+        runs += [(f"below-{k}", lambda k=k: split_below(items, sizes, room, bpm, k, args.cycles)[:2]) for k in (1.25, 2, 3)]
+        if args.search:
+            order, _ = order_of_use(items)
+            start = spread(order, sizes, room - 2 * max(sizes.values()))
+            runs.append(("searched", lambda: searched(items, sizes, room, bpm, args.cycles, start, args.search)))
         for name, run in runs:
             try:
                 ms, moved = run()

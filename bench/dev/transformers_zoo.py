@@ -91,7 +91,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                                      mamba_expand=2, use_mamba_kernels=False))):
         yield mt, "causal", cfg(mt, **{**DEC, **extra}), text, "AutoModelForCausalLM"
     for mt, extra in (("nemotron", {}), ("smollm3", {}), ("glm", {}), ("glm4", {}), ("helium", dict(head_dim=64)), ("arcee", {}),
-                      ("ernie4_5", {}), ("seed_oss", {}), ("hunyuan_v1_dense", {}), ("exaone4", dict(sliding_window=32)),
+                      ("ernie4_5", {}), ("seed_oss", {}), ("hunyuan_v1_dense", dict(head_dim=64, rope_parameters=dict(rope_type="default", rope_theta=10000.0))), ("exaone4", dict(sliding_window=32)),
                       ("olmoe", dict(num_experts=8, num_experts_per_tok=2)),
                       ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2)),
                       ("phimoe", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -103,7 +103,7 @@ def cases() -> Iterator[Tuple[str, str, Callable[[], Any], Callable[[torch.Gener
                       ("recurrent_gemma", dict(lru_width=512, attention_window_size=32, num_key_value_heads=1,
                                                block_types=["recurrent", "recurrent", "attention"])),
                       ("zamba2", dict(mamba_d_state=16, mamba_headdim=64, n_mamba_heads=16, num_mem_blocks=1,
-                                      hybrid_layer_ids=[2], use_mem_rope=True)),
+                                      use_mem_rope=True, num_hidden_layers=54)),  # its default layer types: 54
                       ("falcon_h1", dict(mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16,
                                          mamba_n_groups=1, mamba_chunk_size=64, head_dim=64)),
                       ("bamba", dict(mamba_d_state=16, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
