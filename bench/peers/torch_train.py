@@ -53,7 +53,8 @@ Variants, one process each (this file with --child)
   spillway-c-ckpt-overlap-backward  spillway-c-ckpt with overlap_update="backward": the
                    update also computed during the backward
   spillway-alloc   inside `with spillway.torch.use_allocator(budget=B):`, offload(model,
-                   optimizer=opt) without a budget: one budget over everything on the device
+                   optimizer=opt, recompute=False) without a budget: one budget over everything
+                   on the device, the activations through the offload's stash
   spillway-c-recompute  spillway-c with offload(recompute=True): spillway recomputes the
                    decoder layers in the backward (instead of transformers' checkpointing)
   spillway-c-recompute-overlap  the same with overlap_update=True
@@ -519,8 +520,7 @@ def run_variant(args: argparse.Namespace, shape: Dict[str, Any], r: Dict[str, An
                 kw["overlap_update"] = "backward"
             if name not in ALLOC:
                 kw["budget"] = budget
-            if name in RECOMPUTED:
-                kw["recompute"] = RECOMPUTED[name]
+            kw["recompute"] = RECOMPUTED.get(name, False)  # spillway-alloc: the stash, not the default "auto"
             kw["train_on_device"] = "auto" if args.train_on_device == "auto" else float(args.train_on_device)
             off = spt.offload(model, optimizer=opt, **kw)
             on_dev = off.stats()["offload"]["resident_trainable_bytes"]

@@ -184,7 +184,7 @@ def test_auto_learns_to_keep_what_fits(uploads):
     assert rec.activation == 100 and rec.recomputed == 8 + 2 * (len(kept) - 1)
 
 
-@pytest.mark.parametrize("value", ["sometimes", 2, None])
+@pytest.mark.parametrize("value", ["sometimes", 2, 0.5])
 def test_bad_recompute_values(value):
     m = Blocks()
     snap = {n: p.detach().clone() for n, p in m.named_parameters()}
@@ -207,3 +207,43 @@ def test_a_model_that_recomputes_itself():
     off = spt.offload(m, budget="4MiB", optimizer=opt, recompute="auto", **EMU)
     assert off._recompute is None and off._stash_min is not None
     off.remove()
+
+
+def test_recompute_defaults_to_auto_when_training_under_use_allocator():
+    """Without recompute=: "auto" where optimizer= trains under use_allocator (one budget over
+    PyTorch's activations too), off elsewhere and for inference; an explicit value stands. The
+    default's training equals resident's."""
+    from spillway.torch import _alloc
+    _alloc._shutdown()
+    try:
+        m = Blocks().requires_grad_(False)
+        off = spt.offload(m, budget="4MiB", **EMU)
+        assert off._recompute is None
+        off.remove()
+        m = Blocks()
+        off = spt.offload(m, budget="4MiB", optimizer=torch.optim.SGD(m.parameters(), lr=0.1), **EMU)
+        assert off._recompute is None  # no use_allocator: none
+        off.remove()
+        spt.use_allocator("24MiB", backend="emu", emu_capacity="256MiB")
+        m = Blocks()
+        off = spt.offload(m, recompute=False, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), **EMU)
+        assert off._recompute is None
+        off.remove()
+        m, ref = Blocks(), Blocks()
+        calls = count_calls(m)
+        opt, ref_opt = torch.optim.AdamW(m.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        off = spt.offload(m, optimizer=opt, **EMU)
+        assert off._recompute is not None and off._recompute.mode == "auto"
+        for step in range(2):
+            for model, o in ((m, opt), (ref, ref_opt)):
+                model(batch(step)).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        assert calls[0] == 2 * 8 * 2  # the emulated backend: "auto" recomputes every block
+        off.remove()
+        assert_params_equal(m, ref)
+    finally:
+        a = spt.current()
+        if a is not None:
+            a.close()
+        _alloc._shutdown()

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional, Union
 from torch import nn
 
 from ..errors import ConfigError, InvalidArgument
-from . import _recompute
+from . import _alloc, _recompute
 from ._offload import Offload
 from ._pipeline import offload_all
 
@@ -15,7 +15,7 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
             blocks: Optional[Iterable[nn.Module]] = None, trace: Optional[str] = None,
             offload_trainable: Optional[bool] = None, optimizer: Any = None, activations: Optional[bool] = None,
             host_update: str = "spillway", overlap_update: Union[bool, str] = False, train_on_device: Any = "auto",
-            process_group: Any = "auto", recompute: Any = False, **options: Any) -> Any:
+            process_group: Any = "auto", recompute: Any = None, **options: Any) -> Any:
     """Offload a module's weights and buffers to pinned host memory; they come to the device
     unit by unit as each forward reaches them. Returns the Offload handle.
 
@@ -95,12 +95,15 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
     children of the model's ModuleLists that hold parameters: a transformer's layers, a UNet's
     down and up blocks): a block's forward under grad runs inside torch.utils.checkpoint
     (non-reentrant), which costs about one more forward of it in the backward and keeps none of
-    its activations. False (default): none. True: every block. "auto": as few as keep the step
+    its activations. False: none. True: every block. "auto": as few as keep the step
     under the device limit (use_allocator's budget; else the device memory free at offload()
     with what PyTorch held then), learnt over the first steps: the first recomputes every block
     and measures, the next few keep the activations of as many blocks as the peak leaves room
     for (they reset the peak memory statistics at each step), then the choice holds. On the
-    emulated backend "auto" recomputes every block. With recompute on, train_on_device="auto"
+    emulated backend "auto" recomputes every block. None (default): "auto" when optimizer=
+    trains under use_allocator (its one budget holds PyTorch's activations too, and streaming
+    them through it fragments that budget: several times slower than recomputing), else False.
+    With recompute on, train_on_device="auto"
     keeps every trainable parameter on the device when they take at most 92% of the budget
     with their gradients and state. Results are those of no recomputation (PyTorch's
     checkpoint restores the random state). A model that recomputes its own layers
@@ -137,6 +140,8 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
         raise ConfigError("offload: overlap_update overlaps spillway's host update (optimizer= with "
                           "host_update='spillway') with the next forward; "
                           + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
+    if recompute is None:
+        recompute = "auto" if optimizer is not None and _alloc.current() is not None else False
     # "auto" on a model that recomputes its layers itself is off, and so leaves the stash's default
     recompute = _recompute.resolve(recompute, module)
     stash = activations if activations is not None else optimizer is not None and not recompute
