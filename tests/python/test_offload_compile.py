@@ -42,7 +42,10 @@ def test_every_code_object_of_the_package_is_marked(recorded):
     # a decorated method's own code (a context manager's generator), and nothing outside the
     # package (not contextlib's wrapper, which every context manager anywhere shares)
     import spillway.core
+    from spillway.torch import _partition
     assert id(spillway.core.Context.step.__wrapped__.__code__) in marked
+    cached = next(v for v in vars(_partition).values() if hasattr(v, "cache_info") and hasattr(v, "__wrapped__"))
+    assert id(cached.__wrapped__.__code__) in marked  # under functools.lru_cache
     assert all(c.co_filename.startswith(_compile.__file__.rsplit("/torch/", 1)[0]) for c in recorded)
     n = len(recorded)
     _compile.keep_out_of_graphs()  # each module once

@@ -58,6 +58,8 @@ def _codes_of(obj: Any, ours: Callable[[Any], bool], seen: Set[int]) -> Iterator
     elif isinstance(obj, type) and ours(obj):
         for v in list(vars(obj).values()):
             yield from _codes_of(v, ours, seen)
+    elif callable(obj) and ours(obj) and getattr(obj, "__wrapped__", None) is not None:
+        yield from _codes_of(obj.__wrapped__, ours, seen)  # functools.lru_cache and the like
 
 
 def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -77,7 +79,7 @@ def keep_out_of_graphs() -> None:
         if not mods:
             return
         skip = _skip_code()
-        ours = lambda o: getattr(o, "__module__", "").split(".")[0] == "spillway"  # noqa: E731
+        ours = lambda o: (getattr(o, "__module__", None) or "").split(".")[0] == "spillway"  # noqa: E731
         seen: Set[int] = set()
         for name, mod in mods:
             if skip is not None:
