@@ -218,7 +218,7 @@ def _sources(cls: type) -> Tuple[str, ...]:
         if not inspect.isfunction(fn):
             continue
         fn = inspect.unwrap(fn)  # forwards under functools.wraps decorators (transformers' output handling)
-        if fn.__module__.startswith("torch.nn."):
+        if (fn.__module__ or "").startswith("torch.nn."):  # None: a class made by exec() without __name__
             continue
         try:
             src = textwrap.dedent(inspect.getsource(fn))
