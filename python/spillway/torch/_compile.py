@@ -24,7 +24,7 @@ import threading
 import types
 from typing import Any, Callable, Iterator, Optional, Sequence, Set
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered where a mark imports Dynamo's modules under it
 _marked: Set[str] = set()  # the package's modules whose code is marked
 _DYNAMO = "torch._dynamo"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's directory
