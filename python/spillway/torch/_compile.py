@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Set
 _lock = threading.RLock()  # re-entered where a mark imports Dynamo's modules under it
 _marked: Set[str] = set()  # the package's modules whose code is marked
 _DYNAMO = "torch._dynamo"
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's directory
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package's directory
 
 
 def _skip_code() -> "Callable[[types.CodeType], None] | None":
@@ -50,7 +50,7 @@ def _codes_of(obj: Any, ours: Callable[[Any], bool], seen: Set[int]) -> Iterator
                 yield from _codes_of(f, ours, seen)
     elif isinstance(obj, types.FunctionType) and ours(obj):
         # a decorator's wrapper (contextlib's) is not ours to mark: what it wraps is
-        if obj.__code__.co_filename.startswith(_ROOT):
+        if os.path.abspath(obj.__code__.co_filename).startswith(_ROOT):
             yield from _nested(obj.__code__)
         inner = getattr(obj, "__wrapped__", None)
         if inner is not None:
