@@ -50,11 +50,6 @@ def _ids(i: int) -> torch.Tensor:
     return torch.randint(0, 512, (2, 16), generator=g).to(DEV)
 
 
-def _compiles() -> int:
-    from torch._dynamo.utils import counters
-    return sum(counters["stats"].values()) if "stats" in counters else 0
-
-
 def _frames() -> int:
     from torch._dynamo.utils import counters
     return counters["stats"].get("unique_graphs", 0)
