@@ -142,8 +142,10 @@ def offload(module: Any, budget: Union[int, str, None] = None, policy: str = "pl
                           "host_update='spillway') with the next forward; "
                           + ("no optimizer= was given" if optimizer is None else "host_update is 'torch'"))
     if recompute is None:  # "auto" where the trained model shares use_allocator's budget
-        backend, dev = _resolve_device(options.get("backend", "auto"), device)
-        recompute = "auto" if optimizer is not None and _alloc.shared_context(dev, backend) is not None else False
+        recompute = False
+        if optimizer is not None:
+            backend, dev = _resolve_device(options.get("backend", "auto"), device)
+            recompute = "auto" if _alloc.shared_context(dev, backend) is not None else False
     # "auto" on a model that recomputes its layers itself is off, and so leaves the stash's default
     recompute = _recompute.resolve(recompute, module)
     stash = activations if activations is not None else optimizer is not None and not recompute

@@ -213,7 +213,6 @@ def layout(module: nn.Module, blocks: Optional[Sequence[nn.Module]], names: Dict
         cost = _nbytes_of(kept) * state_factor(optimizer) if optimizer is not None else 0
         paged = -(-cost // _ARENA_PAGE) * _ARENA_PAGE
         ctx_budget = budget if shared else budget - paged
-        opts = dict(ctx_opts)
         try:
             if ctx_budget <= 0:
                 raise ConfigError(
@@ -330,10 +329,11 @@ def check_room(module: nn.Module, units: Sequence[_Unit], needs: Dict[int, List[
     need, holder, held = _held_together(module, needs, names, footprint)
     need = max(need, footprint([largest]))
     for f in fused:
-        with_it = needs.get(id(f.module), []) + [u for u in needs.get(id(module), []) if f.module is not module]
-        n = footprint(with_it + f.all_units())
+        with_it = (needs.get(id(f.module), []) + (needs.get(id(module), []) if f.module is not module else [])
+                   + f.all_units())
+        n = footprint(with_it)
         if n > need:
-            need, holder, held = n, f.label, with_it + f.all_units()
+            need, holder, held = n, f.label, with_it
     if budget < need:
         what = (f"the largest unit, {largest.name} ({format_size(largest.nbytes)}" if len(held) <= 1 else
                 f"what {holder} holds at once, {len(held)} units ("
