@@ -124,7 +124,24 @@ def hist_q(hist, q):
     return 0
 
 
-def run(case, policy, warm, options):
+def python_profile(step, n, top):
+    """cProfile of n steps: the functions with the most time of their own (the hooks' Python
+    against the C calls, which show as ctypes' foreign functions)."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(ln for ln in out.getvalue().splitlines()[5:] if ln.strip()))
+
+
+def run(case, policy, warm, options, cprofile=0):
     key, spec = case.split(":")
     model, inputs = td.MODELS[key][0](False)
     total = td.nbytes(model)
@@ -146,6 +163,9 @@ def run(case, policy, warm, options):
         calls = wrap_calls(h)
         timed(step, 3)
         pr = profile(step)
+        if cprofile:
+            print(f"\n-- cProfile of {cprofile} steps ({key})")
+            python_profile(step, cprofile, 25)
     d = {k: (c1[k] - c0[k]) / 5 for k in c0}
     print(f"\n== {key} budget {budget / 2**30:.2f} GiB of {total / 2**30:.2f}, {policy} {options}, {len(h.units)} units")
     print(f"resident {res_ms:.1f} ms (kernels busy {res_prof['kernels_busy_ms']:.1f}, {res_prof['kernels']} kernels, "
@@ -181,12 +201,13 @@ def main():
     ap.add_argument("--warm", type=int, default=25)
     ap.add_argument("--unit-max", type=int, default=0, help="cap on the partition's largest unit, bytes")
     ap.add_argument("--options", default="", help="offload options, k=v,k=v (e.g. vmm=off)")
+    ap.add_argument("--cprofile", type=int, default=0, help="also cProfile this many steps (Python's share)")
     args = ap.parse_args()
     options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv)
     torch.backends.cuda.matmul.allow_tf32 = False
     with td.unit_cap(args.unit_max):
         for case in args.cases.split(","):
-            run(case, args.policy, args.warm, options)
+            run(case, args.policy, args.warm, options, args.cprofile)
 
 
 if __name__ == "__main__":

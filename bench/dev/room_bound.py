@@ -35,17 +35,25 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_diffusion as td  # noqa: E402
-from spillway.torch import _setup  # noqa: E402
+from spillway.torch import _partition, _setup  # noqa: E402
 
 GiB = 1 << 30
 
 
-def timeline(model: torch.nn.Module, kw: Dict[str, Any], budget: int) -> Tuple[List[Tuple[float, frozenset]], Dict[int, int], int, float]:
+def timeline(model: torch.nn.Module, kw: Dict[str, Any], budget: int,
+             div: int = 0) -> Tuple[List[Tuple[float, frozenset]], Dict[int, int], int, float]:
     """([(ms, indices of the units needed)] in order over one resident step, unit index -> bytes,
-    bytes the top level holds throughout, the plain resident step in ms)."""
+    bytes the top level holds throughout, the plain resident step in ms). div: units of at most
+    budget / div instead of offload()'s partition (an experiment on the units' size)."""
     params, names = _setup.check_module(model, None)
     grads, kept = _setup.trainable(model, params, None, None)
-    units, needs, hooked = _setup.units(model, None, kept, grads, names, budget, 0)[:3]
+    bounds = _partition.bounds
+    if div:
+        _partition.bounds = lambda b, s=0, seg=False: (min(b // div // 2, _partition._LO_MAX), max(b // div, 1))
+    try:
+        units, needs, hooked = _setup.units(model, None, kept, grads, names, budget, 0)[:3]
+    finally:
+        _partition.bounds = bounds
     sizes = {u.index: u.nbytes for u in units}
     top = {u.index for u in needs.get(id(model), [])}
     events: List[Tuple[torch.cuda.Event, int, int]] = []  # (event, +1 enter / -1 exit, module id)
@@ -173,7 +181,7 @@ def offline(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,flux:8589934592", help="model:budget (a fraction or bytes)")
+    ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,flux:8589934592", help="model:budget[:div] (a fraction or bytes; div: units of at most budget / div)")
     ap.add_argument("--starts", type=int, default=48, help="starting points of the cyclic division tried")
     ap.add_argument("--link", type=float, default=0.0, help="GB/s (default: measured, as torch_diffusion.py)")
     ap.add_argument("--json", default="")
@@ -191,7 +199,8 @@ def main() -> None:
     out = []
     built: Dict[str, Any] = {}
     for case in args.cases.split(","):
-        key, spec = case.split(":")
+        key, spec, *div = case.split(":")
+        div = int(div[0]) if div else 0
         if key not in built:
             built.clear()
             torch.cuda.empty_cache()
@@ -199,11 +208,11 @@ def main() -> None:
         model, inputs = built[key]
         total = td.nbytes(model)
         budget = int(total * float(spec)) if "." in spec else int(spec)
-        items, sizes, top, resident = timeline(model, inputs(), budget)
+        items, sizes, top, resident = timeline(model, inputs(), budget, div)
         room = budget - top
         simple = max(resident, (total - budget) / bytes_per_ms)
         bound, parts = best_division(items, sizes, room, bytes_per_ms, args.starts)
-        r = dict(model=key, budget=budget, weights=total, link_gbps=link, resident_ms=resident, simple_bound_ms=simple,
+        r = dict(model=f"{key}/{div}" if div else key, budget=budget, weights=total, link_gbps=link, resident_ms=resident, simple_bound_ms=simple,
                  room_bound_ms=bound, units=len(sizes), items=len(items), top_bytes=top,
                  timeline=[(ms, sorted(need)) for ms, need in items], sizes=sizes,
                  stretches=[dict(first=a, items=k, compute_ms=c, bytes=b) for a, k, c, b in parts])
