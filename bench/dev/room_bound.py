@@ -181,7 +181,8 @@ def offline(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,flux:8589934592", help="model:budget[:div] (a fraction or bytes; div: units of at most budget / div)")
+    ap.add_argument("--cases", default="sd15:0.40,sdxl:0.35,flux:8589934592",
+                    help="model:budget[:div] (a fraction or bytes; div: units of at most budget / div)")
     ap.add_argument("--starts", type=int, default=48, help="starting points of the cyclic division tried")
     ap.add_argument("--link", type=float, default=0.0, help="GB/s (default: measured, as torch_diffusion.py)")
     ap.add_argument("--json", default="")
@@ -212,7 +213,8 @@ def main() -> None:
         room = budget - top
         simple = max(resident, (total - budget) / bytes_per_ms)
         bound, parts = best_division(items, sizes, room, bytes_per_ms, args.starts)
-        r = dict(model=f"{key}/{div}" if div else key, budget=budget, weights=total, link_gbps=link, resident_ms=resident, simple_bound_ms=simple,
+        r = dict(model=f"{key}/{div}" if div else key, budget=budget, weights=total, link_gbps=link,
+                 resident_ms=resident, simple_bound_ms=simple,
                  room_bound_ms=bound, units=len(sizes), items=len(items), top_bytes=top,
                  timeline=[(ms, sorted(need)) for ms, need in items], sizes=sizes,
                  stretches=[dict(first=a, items=k, compute_ms=c, bytes=b) for a, k, c, b in parts])

@@ -202,12 +202,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_compiled_training_through_the_offload(host_update):
     """offload(model, budget, optimizer=opt) under torch.compile: a 14 MiB decoder (tied
     embedding and head) trained at an 8 MiB budget (its first parameters trained on the device,
-the rest on the host), compiled, three AdamW steps, against the
-    same compiled model resident whose AdamW runs on a host master copy (as the offload's
-    does): losses within 1e-4 of the reference's, the first step's gradients too and its update
-    element by element nearly everywhere (the two compile different graphs: the offload's hooks
-    are graph boundaries), later steps' within what those roundings make of them, the weights moving in every step, no graph compiled after the first
-    steps."""
+    the rest on the host), compiled, four AdamW steps, against the same compiled model resident
+    whose AdamW runs on a host master copy (as the offload's does): losses within 1e-4 of the
+    reference's, the first step's gradients too and its update element by element nearly
+    everywhere (the two compile different graphs: the offload's hooks are graph boundaries),
+    later steps' within what those roundings make of them; the weights moving in every step,
+    no graph compiled after the second."""
     m = make_decoder(vocab=1024, dim=256, heads=4, layers=4).train()
     ref = copy.deepcopy(m).to(DEV)
     master = copy.deepcopy(m)
