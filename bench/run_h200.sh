@@ -3,8 +3,9 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [shapes] [pageable] [quant] [moe]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab, shapes, pageable, quant, moe)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [grain] [shapes] [pageable] [quant] [moe]
+#                     (default: all but diffusion, pipeline, smallcard, train, diffab, grain, shapes, pageable, quant,
+#                     moe)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -160,6 +161,26 @@ if has diffab; then
     SPILLWAY_CONF=vmm=off pyrun offload-$wl-segments 300 bench/peers/torch_offload.py --workload $wl \
       --variants resident,spillway-plan
   done
+fi
+if has grain; then
+  # the partition's grain on the UNets (docs/design.md, "The physical limit"): units of at most a
+  # sixteenth and a thirty-second of the budget (unit_max, bytes of today's SD 1.5 and SDXL at
+  # 40% and 35%) against the default quarter, in pages and in plain segments, each against
+  # resident in one process; then the recorded timelines at those grains for
+  # bench/dev/schedule_sim.py (run it on any machine over $OUT/room-grain.json)
+  log "the partition's grain: bench/dev/diffusion_ab.py, bench/dev/room_bound.py"
+  for c in "sd15 0.40 42991616 21495808" "sdxl 0.35 112197632 56098816"; do
+    set -- $c
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
+      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 3 \
+      --variants "plan;plan:unit_max=$3;plan:unit_max=$4;plan:vmm=off;plan:vmm=off,unit_max=$4" \
+      >"$OUT/grain-$1.txt" 2>&1 || rc=1
+    grep -v "^round\|Warn\|float32\|first 20" "$OUT/grain-$1.txt" | tail -9
+  done
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 300 \
+    python3 bench/dev/room_bound.py --json "$OUT/room-grain.json" \
+    --cases sd15:0.40,sd15:0.40:16,sd15:0.40:32,sdxl:0.35,sdxl:0.35:16,sdxl:0.35:32 2>&1 | grep "units" || rc=1
+  cp "$OUT/room-grain.json" "$FINAL/" 2>/dev/null
 fi
 if has shapes; then
   # diffusers models whose forward reaches the weights by other roads (bench/dev/diffusers_shapes.py):
