@@ -145,6 +145,25 @@ SPW_API spw_status spw_sgd_step(spw_optim_pool *pool, const spw_sgd_hparams *hp,
 /* The instruction set the steps run with on this CPU ("avx512", "avx2", "generic"). */
 SPW_API const char *spw_optim_isa(void);
 
+/* ---- the process's heap, for a framework's own host step ----
+ * A host step that spillway does not run itself (torch.optim's CPU step of an optimizer other
+ * than these) allocates temporaries the size of each parameter and frees them within the step.
+ * glibc serves an allocation above its mmap threshold (which its own rule raises to 32 MiB at
+ * most) with a fresh mapping, and returns freed memory at the heap's top beyond its trim
+ * threshold, so such a step faults every page of its large temporaries in again, every step.
+ * This keeps allocations of up to `bytes` in the heap and up to four times that of freed memory
+ * at its top (mallopt's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, never below glibc's 32 MiB), for
+ * the whole process: the step reuses its pages, and the process holds at most that much more
+ * memory between steps. The kept size only grows over calls (a smaller `bytes` keeps what an
+ * earlier call set). A process that set glibc's malloc thresholds itself (MALLOC_MMAP_THRESHOLD_,
+ * MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_MAX_ or GLIBC_TUNABLES naming them, in the environment)
+ * keeps its own: nothing is changed. *kept (may be NULL), on success: the allocation size now
+ * kept by this call or an earlier one, 0 where the process's own thresholds stand.
+ * SPW_ERR_INVALID_ARGUMENT for 0 or more than 2 GiB less 1 MiB (mallopt's values are ints; the
+ * trim threshold is capped there too); SPW_ERR_UNSUPPORTED where the C library is not glibc or refuses the thresholds (glibc
+ * versions that cap the mmap threshold at 32 MiB). Thread-safe. */
+SPW_API spw_status spw_optim_keep_freed(size_t bytes, size_t *kept);
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "optim.h"
 #include "test_util.h"
@@ -538,6 +539,56 @@ static void pool_arguments(void **s) {
     assert_true(!strcmp(isa, "generic") || !strcmp(isa, "avx2") || !strcmp(isa, "avx512"));
 }
 
+/* ---- the heap for a framework's own step ---- */
+
+static void keep_freed_bad_input(void **s) {
+    (void)s;
+    size_t kept = 77;
+    assert_status(spw_optim_keep_freed(0, &kept), SPW_ERR_INVALID_ARGUMENT);
+    assert_msg_has("0 bytes");
+    assert_status(spw_optim_keep_freed(SIZE_MAX, &kept), SPW_ERR_INVALID_ARGUMENT);
+    assert_status(spw_optim_keep_freed((size_t)1 << 31, &kept), SPW_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kept, 77); /* untouched on failure */
+}
+
+static long minor_faults(void) {
+    struct rusage ru;
+    assert_int_equal(getrusage(RUSAGE_SELF, &ru), 0);
+    return ru.ru_minflt;
+}
+
+/* An allocation above glibc's own 32 MiB ceiling, made, written and freed as a step's temporary:
+ * mapped and faulted in every time by default; kept in the heap, its pages are reused. */
+static void keep_freed_reuses_a_temporary(void **s) {
+    (void)s;
+    const size_t n = (size_t)40 << 20;
+    size_t kept = 0;
+#if defined(__GLIBC__)
+    bool own = getenv("MALLOC_MMAP_THRESHOLD_") || getenv("MALLOC_TRIM_THRESHOLD_") ||
+               getenv("MALLOC_MMAP_MAX_") || getenv("GLIBC_TUNABLES");
+    assert_ok(spw_optim_keep_freed(n, &kept));
+    if (own) skip(); /* the environment's thresholds stand: nothing to measure */
+    assert_int_equal(kept, n);
+    long faults = 0;
+    for (int i = 0; i < 5; i++) {
+        long f0 = minor_faults();
+        char *p = malloc(n);
+        assert_non_null(p);
+        memset(p, i + 1, n);
+        assert_int_equal(p[n - 1], i + 1);
+        free(p);
+        if (i) faults += minor_faults() - f0; /* the first pass faults the heap in */
+    }
+    /* 4 passes over 10240 pages of 4 KiB would fault 40960 times if each were a new mapping */
+    assert_true(faults < 2048);
+    assert_ok(spw_optim_keep_freed(1 << 20, &kept)); /* a smaller size keeps the larger one */
+    assert_int_equal(kept, n);
+    assert_ok(spw_optim_keep_freed(n, NULL));
+#else
+    assert_status(spw_optim_keep_freed(n, &kept), SPW_ERR_UNSUPPORTED);
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(adamw_default),
@@ -551,6 +602,8 @@ int main(void) {
         cmocka_unit_test(adam_bad_input),
         cmocka_unit_test(sgd_bad_input),
         cmocka_unit_test(pool_arguments),
+        cmocka_unit_test(keep_freed_bad_input),
+        cmocka_unit_test(keep_freed_reuses_a_temporary),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

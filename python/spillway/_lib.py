@@ -277,6 +277,7 @@ _OPTIM_SIGNATURES = {
         [optim_pool_p, ctypes.POINTER(SgdHparams), ctypes.POINTER(SgdTensor), ctypes.c_size_t],
     ),
     "spw_optim_isa": (ctypes.c_char_p, []),
+    "spw_optim_keep_freed": (status_t, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
 }
 
 #: Public function names of spillway_optim.h declared here (its sync test reads that header).

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from . import _lib
 from .errors import InvalidArgument, check
 
-__all__ = ["Pool", "adam_step", "adamw_step", "sgd_step", "isa", "torch_moment_formula"]
+__all__ = ["Pool", "adam_step", "adamw_step", "sgd_step", "isa", "torch_moment_formula", "keep_freed"]
 
 ArrayLike = Any
 Arrays = Union[ArrayLike, Sequence[ArrayLike]]
@@ -85,6 +85,20 @@ class Pool:
 def isa() -> str:
     """The instruction set the steps use on this CPU ("avx512", "avx2" or "generic")."""
     return _lib.lib.spw_optim_isa().decode()
+
+
+def keep_freed(nbytes: int) -> int:
+    """Keep freed host allocations of up to nbytes in the process's heap (glibc's mmap and trim
+    thresholds, for the whole process), so that a host step spillway does not run itself, whose
+    temporaries are the size of a parameter, reuses their pages instead of faulting them in on
+    every step (spw_optim_keep_freed in spillway_optim.h). Returns the size now kept, which only
+    grows over calls; 0 where the environment sets glibc's malloc thresholds itself, which stand.
+    Raises InvalidArgument for 0 or above 2 GiB less 1 MiB, UnsupportedError off glibc."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidArgument(f"keep_freed: nbytes = {nbytes!r} (want an int >= 1)")
+    kept = ctypes.c_size_t(0)
+    check(_lib.lib.spw_optim_keep_freed(nbytes, ctypes.byref(kept)))
+    return int(kept.value)
 
 
 def torch_moment_formula() -> str:

@@ -285,3 +285,17 @@ def test_bad_arrays_are_refused_before_anything_moves():
     with pytest.raises(spillway.InvalidArgument, match="threads = -1"):
         so.Pool(-1)
     assert _unchanged(before, (p, g, m, v) + good)
+
+
+def test_keep_freed_grows_and_refuses_bad_sizes():
+    """The heap's kept size for a framework's own step only grows; bad sizes are the library's
+    error (the behaviour itself: tests/test_optim.c and test_offload_train.py)."""
+    first = so.keep_freed(40 << 20)
+    assert first == 0 or first >= 40 << 20  # 0: the environment sets glibc's thresholds itself
+    assert so.keep_freed(1 << 20) == first
+    for bad, text in [(0, "0 bytes"), (1 << 31, "want 1 to"), (1 << 40, "want 1 to")]:
+        with pytest.raises(spillway.InvalidArgument, match=text):
+            so.keep_freed(bad)
+    for bad in (-1, 1.5, True, "40MiB"):
+        with pytest.raises(spillway.InvalidArgument, match="nbytes"):
+            so.keep_freed(bad)

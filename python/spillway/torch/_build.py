@@ -112,6 +112,12 @@ def build(cls: Any, module: nn.Module, budget: Any, policy: str, device: Any, bl
     off._update_pool: Any = None
     off._ahead: Optional[_ahead.Updates] = None
     off.c_steps = 0
+    # opt's own host step (where the C one does not apply): the heap's kept size it was given
+    # (_train.keep_heap: bytes; 0 where the environment's malloc settings stand; None before
+    # the first such step or where the C library has no such control, with the reason)
+    off.heap_kept: Optional[int] = None
+    off.heap_note = ""
+    off._heap_checked = False
     off.activations_stashed = 0
     off.activation_bytes = 0
     off.activations_refused = 0  # stashes the budget had no room for (_saved.stash)

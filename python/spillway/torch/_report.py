@@ -53,7 +53,10 @@ def hook_stats(off: Any) -> Dict[str, Any]:
     buffer_writebacks (buffers modified in place), outputs_cloned (module outputs that
     aliased a unit being released, copied so they outlive it), optimizer_steps and
     step_evictions (with optimizer=: the optimizer's steps, and the device copies of units they
-    made stale, dropped), edit_evictions (device copies dropped before a forward because their
+    made stale, dropped), host_heap_kept (with optimizer= where opt's own step runs on the host:
+    the allocation size the process's heap keeps for its temporaries, 0 where the environment's
+    malloc settings stand, None before such a step or where the C library has no such control),
+    edit_evictions (device copies dropped before a forward because their
     host copies were edited since the last: load_state_dict, in-place ops, a .data replaced),
     updates_ahead_kept/updates_ahead_dropped (overlap_update="backward": the
     parameters' updates computed during the backward that the step kept / computed again)."""
@@ -74,6 +77,8 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "activations_refused": off.activations_refused,  # stashes the budget had no room for
         "optimizer_steps": off.optimizer_steps,
         "step_evictions": off.step_evictions,
+        # opt's own host step: freed allocations up to this size kept in the heap (None: not set)
+        "host_heap_kept": off.heap_kept,
         "edit_evictions": off.edit_evictions,  # device copies dropped: their host copies were edited
         "updates_ahead_kept": off._ahead.kept if off._ahead is not None else 0,
         "updates_ahead_dropped": off._ahead.dropped if off._ahead is not None else 0,
@@ -84,6 +89,17 @@ def hook_stats(off: Any) -> Dict[str, Any]:
         "blocks_recomputed": off._recompute.recomputed if off._recompute is not None else 0,
         "blocks_kept": off._recompute.kept if off._recompute is not None else 0,
     }
+
+
+def _heap_line(off: Any) -> str:
+    """The summary's words on the heap under opt's own host step (_train.keep_heap)."""
+    what = f"{type(off.optimizer).__name__}'s own step on the host"
+    if off.heap_kept:
+        return (f"{what}; freed allocations up to {format_size(off.heap_kept)} stay in the process's heap "
+                "(glibc's mmap and trim thresholds), so its temporaries are not faulted in every step")
+    if off.heap_kept == 0:
+        return f"{what}; the environment sets glibc's malloc thresholds, left as they are"
+    return f"{what}; its temporaries may be faulted in every step ({off.heap_note or 'no parameter on the host'})"
 
 
 def stats(off: Any) -> Dict[str, Any]:
@@ -192,6 +208,8 @@ def summary(off: Any) -> str:
         lines.append(f"  trained on host   {_plural(len(trained), 'trainable parameter')}, {format_size(nb)}, by "
                      f"{type(off.optimizer).__name__} (gradients and its state in host memory), "
                      f"{_plural(off.optimizer_steps, 'step')}, {off.step_evictions} stale device copies dropped")
+        if off._heap_checked:
+            lines.append("  host step         " + _heap_line(off))
         if off._average is not None:
             g = off._average
             lines.append(f"  data parallel     gradients averaged over {g.world} ranks ({g.backend}, as "

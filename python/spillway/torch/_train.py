@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import _lib
 from .. import optim as spw_optim  # the host optimizer's bindings (no torch import there)
-from ..errors import ConfigError, InvalidArgument, StateError, error_for
+from ..errors import ConfigError, InvalidArgument, StateError, UnsupportedError, error_for
 from . import _edits, _methods, _overlap
 from ._units import _Unit
 
@@ -228,6 +228,8 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
                 (_overlap_start if off.overlap_update else c_step)(off, step_work(opt, off, kept), done)
                 off.c_steps += 1
                 return None
+            if not off._heap_checked:
+                keep_heap(off, opt)
             return inner(*args, **kwargs)
         finally:  # also after a failed step: it may have updated some parameters
             refresh(off, done)
@@ -243,6 +245,28 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     if getattr(inner, "_with_counter", False):  # a scheduler's count, kept: it runs inside inner
         step._with_counter = True  # type: ignore[attr-defined]
     _methods.install(off, opt, "step", step)
+
+
+# spw_optim_keep_freed's largest size (mallopt takes ints)
+_HEAP_KEEP_MAX = (1 << 31) - 1 - (1 << 20)
+
+
+def keep_heap(off: Any, opt: torch.optim.Optimizer) -> None:
+    """Before opt's own step first runs on the host: keep freed allocations of its largest host
+    parameter's size in the process's heap (spillway.optim.keep_freed). torch's single-tensor
+    CPU steps make temporaries of each parameter's size and free them within the step; above
+    glibc's own 32 MiB ceiling each is a new mapping whose pages fault in again every step.
+    Once per offload; what it kept, or why not, is in the summary. A C library without the
+    control only leaves the step as slow as it was: never an error."""
+    off._heap_checked = True
+    largest = max((p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]
+                   if p.device.type == "cpu"), default=0)
+    if not largest:
+        return
+    try:
+        off.heap_kept = spw_optim.keep_freed(min(largest, _HEAP_KEEP_MAX))
+    except UnsupportedError as e:
+        off.heap_note = e.message
 
 
 def wrap_sync_points(off: Any, opt: Any) -> None:
