@@ -61,12 +61,12 @@ SPW_API spw_status spw_optim_keep_freed(size_t bytes, size_t *kept) {
         size_t trim_at = SPW_MIN(mmap_at * TRIM_FACTOR, (size_t)INT_MAX);
         if (!mallopt(M_MMAP_THRESHOLD, (int)mmap_at))
             st = spw__error(SPW_ERR_UNSUPPORTED,
-                            "spw_optim_keep_freed: glibc refused an mmap threshold of %zu bytes "
-                            "(a version that caps it lower)",
+                            "spw_optim_keep_freed: mallopt refused an mmap threshold of %zu bytes "
+                            "(a glibc that caps it lower, or another allocator in place of glibc's)",
                             mmap_at);
         else if (!mallopt(M_TRIM_THRESHOLD, (int)trim_at))
             st = spw__error(SPW_ERR_UNSUPPORTED,
-                            "spw_optim_keep_freed: glibc refused a trim threshold of %zu bytes", trim_at);
+                            "spw_optim_keep_freed: mallopt refused a trim threshold of %zu bytes", trim_at);
         else
             heap_kept = bytes;
         now = heap_kept;
