@@ -29,14 +29,9 @@ from torch import nn
 import spillway.torch as spt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import make_decoder, moved, offloaded_bytes, step_pair, sync_reference  # noqa: E402
+from models import make_decoder, moved, offloaded_bytes, rel, step_pair, sync_reference  # noqa: E402
 
 STEPS = 5
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 class Adapter(nn.Module):

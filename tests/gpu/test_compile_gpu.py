@@ -27,7 +27,7 @@ if not hasattr(torch, "compile"):
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import frozen, make_decoder, moved, sync_reference  # noqa: E402
+from models import frozen, make_decoder, moved, rel, sync_reference  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 FORWARDS = 6
@@ -192,12 +192,6 @@ def test_compiled_training_of_adapters_on_an_offloaded_base():
         off.remove()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference relative to b's largest element."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("host_update", ["torch", "spillway"])
 def test_compiled_training_through_the_offload(host_update):
     """offload(model, budget, optimizer=opt) under torch.compile: a 14 MiB decoder (tied
@@ -228,14 +222,14 @@ def test_compiled_training_through_the_offload(host_update):
         for step in range(4):
             loss = moved(off, lambda: loss_of(cm, step))
             want = loss_of(cref, step)
-            assert _rel(loss, want) <= 1e-4, (step, float(loss), float(want))
+            assert rel(loss, want) <= 1e-4, (step, float(loss), float(want))
             loss.backward()
             want.backward()
             for (n, p), (_, q), (_, h) in zip(m.named_parameters(), ref.named_parameters(),
                                               master.named_parameters()):
                 assert p.grad is not None and p.grad.device.type == ("cuda" if id(p) in kept else "cpu"), n
                 # from the second step on, the parameters differ by the first step's roundings
-                assert _rel(p.grad, q.grad) <= (1e-4 if step == 0 else 1e-3), (step, n, _rel(p.grad, q.grad))
+                assert rel(p.grad, q.grad) <= (1e-4 if step == 0 else 1e-3), (step, n, rel(p.grad, q.grad))
                 h.grad = q.grad.cpu()
             before = [p.detach().cpu().clone() for p in m.parameters()]
             before_ref = [q.detach().cpu().clone() for q in ref.parameters()]

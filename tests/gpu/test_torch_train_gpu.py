@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from models import GEGLU, make_decoder, moved, offloaded_bytes, sync_reference  # noqa: E402
+from models import GEGLU, make_decoder, moved, offloaded_bytes, rel, sync_reference  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 CUDA = dict(backend="cuda")
@@ -54,13 +54,6 @@ def loss_of(model: nn.Module, batch, autocast: bool, dtype: torch.dtype = torch.
     with torch.autocast("cuda", dtype=dtype, enabled=autocast):
         logits, _ = model(ids)
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference relative to b's largest element (an elementwise ratio is
-    arbitrarily large where b is near zero)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def close_params(m: nn.Module, ref: nn.Module, tol: float, loose: Any = (), loose_tol: float = 0.0) -> float:

@@ -103,6 +103,13 @@ def step_pair(loss, want, opt, opt_ref) -> None:
     opt_ref.zero_grad()
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference relative to b's largest element (an elementwise ratio is
+    arbitrarily large where b is near zero)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
 def sync_reference(ref: nn.Module, master: nn.Module, *opts) -> None:
     """After a step of a reference whose optimizer runs on a host master copy: the master's
     parameters copied into the device model ref, and the gradients of opts and ref cleared."""
