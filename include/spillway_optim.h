@@ -160,8 +160,9 @@ SPW_API const char *spw_optim_isa(void);
  * keeps its own: nothing is changed. *kept (may be NULL), on success: the allocation size now
  * kept by this call or an earlier one, 0 where the process's own thresholds stand.
  * SPW_ERR_INVALID_ARGUMENT for 0 or more than 2 GiB less 1 MiB (mallopt's values are ints; the
- * trim threshold is capped there too); SPW_ERR_UNSUPPORTED where the C library is not glibc or refuses the thresholds (glibc
- * versions that cap the mmap threshold at 32 MiB). Thread-safe. */
+ * trim threshold is capped there too); SPW_ERR_UNSUPPORTED where the C library is not glibc or
+ * mallopt refuses the thresholds (glibc versions that cap the mmap threshold at 32 MiB, a
+ * sanitizer's allocator). Thread-safe. */
 SPW_API spw_status spw_optim_keep_freed(size_t bytes, size_t *kept);
 
 #ifdef __cplusplus

@@ -22,7 +22,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from . import _lib
 from .errors import InvalidArgument, check
 
-__all__ = ["Pool", "adam_step", "adamw_step", "sgd_step", "isa", "torch_moment_formula", "keep_freed"]
+__all__ = ["Pool", "adam_step", "adamw_step", "sgd_step", "isa", "torch_moment_formula", "keep_freed",
+           "KEEP_FREED_MAX"]
 
 ArrayLike = Any
 Arrays = Union[ArrayLike, Sequence[ArrayLike]]
@@ -87,13 +88,17 @@ def isa() -> str:
     return _lib.lib.spw_optim_isa().decode()
 
 
+#: keep_freed's largest size: 2 GiB less 1 MiB (spw_optim_keep_freed's bound; mallopt takes ints)
+KEEP_FREED_MAX = (1 << 31) - 1 - (1 << 20)
+
+
 def keep_freed(nbytes: int) -> int:
     """Keep freed host allocations of up to nbytes in the process's heap (glibc's mmap and trim
     thresholds, for the whole process), so that a host step spillway does not run itself, whose
     temporaries are the size of a parameter, reuses their pages instead of faulting them in on
     every step (spw_optim_keep_freed in spillway_optim.h). Returns the size now kept, which only
     grows over calls; 0 where the environment sets glibc's malloc thresholds itself, which stand.
-    Raises InvalidArgument for 0 or above 2 GiB less 1 MiB, UnsupportedError off glibc."""
+    Raises InvalidArgument for 0 or above KEEP_FREED_MAX, UnsupportedError off glibc."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidArgument(f"keep_freed: nbytes = {nbytes!r} (want an int >= 1)")
     kept = ctypes.c_size_t(0)

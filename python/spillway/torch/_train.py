@@ -247,10 +247,6 @@ def wrap_step(off: Any, opt: torch.optim.Optimizer) -> None:
     _methods.install(off, opt, "step", step)
 
 
-# spw_optim_keep_freed's largest size (mallopt takes ints)
-_HEAP_KEEP_MAX = (1 << 31) - 1 - (1 << 20)
-
-
 def keep_heap(off: Any, opt: torch.optim.Optimizer) -> None:
     """Before opt's own step first runs on the host: keep freed allocations of its largest host
     parameter's size in the process's heap (spillway.optim.keep_freed). torch's single-tensor
@@ -264,7 +260,7 @@ def keep_heap(off: Any, opt: torch.optim.Optimizer) -> None:
     if not largest:
         return
     try:
-        off.heap_kept = spw_optim.keep_freed(min(largest, _HEAP_KEEP_MAX))
+        off.heap_kept = spw_optim.keep_freed(min(largest, spw_optim.KEEP_FREED_MAX))
     except UnsupportedError as e:
         off.heap_note = e.message
 
