@@ -1043,7 +1043,9 @@ def test_the_step_renews_units_without_displacing_them(overlap):
     m = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512)) for _ in range(8)])
     ref = copy.deepcopy(m)
     opt, opt_ref = (torch.optim.AdamW(x.parameters(), lr=1e-3) for x in (m, ref))
-    off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", train_on_device=0, prefetch="on",
+    # no prefetch worker: its uploads (and the room its evictions free) would land in the step's
+    # window as the host's load times them, and the window's counts are to be the step's own
+    off = spt.offload(m, budget="6MiB", optimizer=opt, backend="emu", train_on_device=0, prefetch="off",
                       emu_link_gbps=200, activations=False, overlap_update=overlap)
     offloaded = sum(u.nbytes for u in off.units)
     assert offloaded > 2 * (6 << 20)
@@ -1057,16 +1059,12 @@ def test_the_step_renews_units_without_displacing_them(overlap):
             loss.backward()
             bwd = h2d() - before_fwd - fwd
             before_step = h2d()
-            planned = off.context.stats()["plan_prefetch_bytes"]["total"]
             o.step()
             o.zero_grad()
             if model is m:
                 off.synchronize()  # overlap_update: the update (and its uploads) done
                 stepped = h2d() - before_step
-                # the plan's own prefetches may land in this window too (when its worker runs
-                # them depends on the host's load): they are not the step's renewals
-                planned = off.context.stats()["plan_prefetch_bytes"]["total"] - planned
-                assert 0 < stepped - planned <= 6 << 20, (stepped, planned)
+                assert 0 < stepped <= 6 << 20, stepped
                 if step:
                     # the renewed units are used where they are: the rest come in the forward
                     assert renewed + fwd <= 1.25 * offloaded, (renewed, fwd, offloaded)
