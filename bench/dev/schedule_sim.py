@@ -250,10 +250,20 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=6)
     ap.add_argument("--search", type=int, default=0, help="also a fixed set searched by this many random moves")
     ap.add_argument("--resident-ms", default="", help="MODEL=MS,...: each timeline scaled to that resident step")
+    ap.add_argument("--dump", default="", help="MODEL=FILE: write that case's (scaled) timeline as text for "
+                    "bench/dev/sim_units.c -t, and simulate nothing")
     args = ap.parse_args()
     for c in saved_cases(args.json, args.resident_ms):
         r, sizes, room, bpm, simple = c.record, c.sizes, c.room, c.bytes_per_ms, c.simple
         items = [(ms, sorted(need)) for ms, need in c.items]
+        if args.dump:
+            model, path = args.dump.split("=", 1)
+            if r["model"] == model:
+                with open(path, "w") as f:
+                    f.write(f"room {room}\nlink {bpm}\n")
+                    f.writelines(f"size {sizes[u]}\n" for u in range(len(sizes)))
+                    f.writelines(f"item {ms} {' '.join(map(str, need))}\n" for ms, need in items)
+            continue
         bound = best_division(c.items, sizes, room, bpm, 48)[0]
         print(f"{r['model']} at {r['budget'] / 2**30:.2f} GiB: resident {c.resident:.1f} ms, simple bound "
               f"{simple:.1f}, room bound {bound:.1f}")
