@@ -1050,6 +1050,7 @@ def test_the_step_renews_units_without_displacing_them(overlap):
     offloaded = sum(u.nbytes for u in off.units)
     assert offloaded > 2 * (6 << 20)
     h2d = lambda: off.context.stats()["bytes_h2d"]["total"]  # noqa: E731
+    renewed = 0  # the previous step's renewals (step 0 has none before it)
     for step in range(4):
         x = torch.randn(256, 512, generator=torch.Generator().manual_seed(step))
         for model, o in ((m, opt), (ref, opt_ref)):
