@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "peers"))
 import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
+from diffusion_profile import timed  # noqa: E402  (same directory)
 
 KEYS = ("bytes_h2d", "window_evictions", "stalls", "trim_syncs", "plan_divergences", "plan_prefetch_bytes",
         "evictions_clean", "evictions_dirty")
@@ -27,20 +28,6 @@ KEYS = ("bytes_h2d", "window_evictions", "stalls", "trim_syncs", "plan_divergenc
 
 def plan_line(h) -> str:
     return next((ln.strip() for ln in h.context.summary().splitlines() if "policy plan" in ln), "(no plan line)")
-
-
-def link_gbps() -> float:
-    """Pinned host to device copies of 256 MiB, GB/s (the best of five)."""
-    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(src, device="cuda")
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, src.numel() / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def run(case: str, steps: int, options: dict, quiet: bool) -> None:
@@ -51,13 +38,7 @@ def run(case: str, steps: int, options: dict, quiet: bool) -> None:
     kw = inputs()
     step = lambda: model(**kw)  # noqa: E731
     with torch.no_grad():
-        res = []
-        for _ in range(12):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            res.append((time.perf_counter() - t) * 1e3)
+        res = timed(step, 12)
         model.to("cpu")
         torch.cuda.empty_cache()
         opts = dict(options)
@@ -65,7 +46,7 @@ def run(case: str, steps: int, options: dict, quiet: bool) -> None:
         with td.unit_cap(budget // div if div else 0):
             h = spt.offload(model, budget=budget, **opts)
         resident = statistics.median(res[2:])
-        bound = max(resident, (total - budget) / link_gbps() / 1e6)
+        bound = max(resident, (total - budget) / td.link_gbps() / 1e6)
         print(f"\n== {key} budget {budget / 2**30:.2f} GiB of {total / 2**30:.2f}, {options}, {len(h.units)} units; "
               f"resident {resident:.1f} ms, bound {bound:.1f} ms")
         last = ""
