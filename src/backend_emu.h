@@ -69,6 +69,7 @@ typedef struct emu_stream {
     emu_item *head, *tail;
     uint64_t enq_seq;  /* sequence number of the last item enqueued */
     uint64_t done_seq; /* sequence number of the last item finished */
+    uint64_t link_ns;  /* worker only: when the link's last timed transfer on this stream ended */
     int stop;
     UT_hash_handle hh;
 } emu_stream;

@@ -14,10 +14,14 @@
  * - Work items (copies, host launches, prefetches, event waits) are recycled through a free
  *   list: no allocation in the steady state. Host callbacks and copies run on the worker with
  *   q_lock released.
- * - emu_h2d_gbps > 0 makes H2D/D2H copies and prefetches take bytes/rate.
+ * - emu_h2d_gbps > 0 makes H2D/D2H copies and prefetches take bytes/rate, each stream's
+ *   transfers on a clock of their own (throttle).
  */
 #include <errno.h>
 #include <pthread.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -26,14 +30,19 @@
 
 /* ---- streams: workers and queues ---- */
 
-/* Make a transfer of `bytes` that started at t0 last at least bytes / rate. */
-static void throttle(const emu_backend *e, size_t bytes, uint64_t t0) {
+/* Make a transfer of `bytes` that started at t0 end no earlier than bytes / rate after the link
+ * was free: a transfer queued behind the previous one (started within LINK_GAP_NS of its end)
+ * continues the link's clock, so that the sleeps' overshoot is not added once per transfer and a
+ * run of small copies moves at the rate; after an idle link the clock starts at t0. */
+#define LINK_GAP_NS 100000u
+static void throttle(const emu_backend *e, emu_stream *s, size_t bytes, uint64_t t0) {
     if (e->gbps <= 0) return;
-    uint64_t want = (uint64_t)((double)bytes / e->gbps); /* GB/s == bytes/ns */
-    uint64_t took = spw__now_ns() - t0;
-    if (want <= took) return;
-    struct timespec ts = {(time_t)((want - took) / 1000000000u),
-                          (long)((want - took) % 1000000000u)};
+    uint64_t start = t0 <= s->link_ns + LINK_GAP_NS ? SPW_MIN(t0, s->link_ns) : t0;
+    uint64_t end = start + (uint64_t)((double)bytes / e->gbps); /* GB/s == bytes/ns */
+    s->link_ns = end;
+    uint64_t now = spw__now_ns();
+    if (end <= now) return;
+    struct timespec ts = {(time_t)((end - now) / 1000000000u), (long)((end - now) % 1000000000u)};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
     }
 }
@@ -51,6 +60,10 @@ static void wait_done(emu_backend *e, const emu_stream *s, uint64_t seq) {
 static void *worker(void *arg) {
     emu_stream *s = arg;
     emu_backend *e = s->b;
+#ifdef __linux__
+    /* a transfer's sleep ends within microseconds of its time, not the default 50 us slack */
+    (void)prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
     pthread_mutex_lock(&e->q_lock);
     for (;;) {
         while (!s->head && !s->stop) pthread_cond_wait(&s->cv_work, &e->q_lock);
@@ -66,9 +79,9 @@ static void *worker(void *arg) {
                 it->u.host.fn(it->u.host.arg);
             } else if (it->kind == W_COPY) {
                 memmove(it->u.copy.dst, it->u.copy.src, it->u.copy.bytes);
-                if (it->u.copy.timed) throttle(e, it->u.copy.bytes, t0);
+                if (it->u.copy.timed) throttle(e, s, it->u.copy.bytes, t0);
             } else {
-                throttle(e, it->u.prefetch_bytes, t0);
+                throttle(e, s, it->u.prefetch_bytes, t0);
             }
             pthread_mutex_lock(&e->q_lock);
         }

@@ -295,6 +295,31 @@ static void test_bandwidth(void **state) {
     OPS(b)->destroy(b); /* frees d and h */
 }
 
+/* Back-to-back copies move at the emulated rate as one transfer of their bytes would: each
+ * sleep's lateness is not added once per copy (a run of small uploads is what a streamed unit
+ * of many tensors makes). */
+static void test_bandwidth_of_small_copies(void **state) {
+    (void)state;
+    spw_backend_params p = {0};
+    p.emu_h2d_gbps = 1.0; /* 256 copies of 64 KiB: ~16.8 ms */
+    spw_backend *b = NULL;
+    assert_ok(spw__backend_emu_create(&p, &b));
+    const size_t n = 64 * 1024, k = 256;
+    void *h = NULL, *d = NULL;
+    assert_ok(OPS(b)->host_alloc(b, n * k, &h));
+    assert_ok(OPS(b)->dev_alloc(b, n * k, &d));
+    memset(h, 1, n * k); /* first touches outside the timing */
+    memset(d, 0, n * k);
+    uint64_t t0 = spw__now_ns();
+    for (size_t i = 0; i < k; i++)
+        assert_ok(OPS(b)->memcpy_async(b, (char *)d + i * n, (char *)h + i * n, n, SPW_COPY_H2D, NULL));
+    assert_ok(OPS(b)->stream_sync(b, NULL));
+    uint64_t took = spw__now_ns() - t0, want = (uint64_t)(n * k); /* ns at 1 GB/s */
+    assert_true(took >= want - want / 50);
+    assert_true(took < want + want / 2); /* 50 us of lateness a copy would be 1.8x */
+    OPS(b)->destroy(b);
+}
+
 /* ---- memory: capacity, VMM, pinned, managed ---- */
 
 static void test_capacity(void **state) {
@@ -687,6 +712,7 @@ int main(void) {
         cmocka_unit_test(test_stream_order),   cmocka_unit_test(test_cross_stream_wait),
         cmocka_unit_test(test_event_query),    cmocka_unit_test(test_rerecord),
         cmocka_unit_test(test_memcpy),         cmocka_unit_test(test_bandwidth),
+        cmocka_unit_test(test_bandwidth_of_small_copies),
         cmocka_unit_test(test_capacity),       cmocka_unit_test(test_vmm),
         cmocka_unit_test(test_vmm_page),
         cmocka_unit_test(test_reserve_1tib),   cmocka_unit_test(test_host_and_managed),
