@@ -65,7 +65,7 @@ def main():
     link = td.link_gbps()
     model, inputs = td.MODELS[a.model][0](False)
     total = td.nbytes(model)
-    budget = int(total * float(a.budget)) if "." in a.budget else int(a.budget)
+    budget = td.budget_bytes(a.budget, total)
     kw = inputs()
     step = lambda: model(**kw)  # noqa: E731
     names = a.variants.split(";")

@@ -145,7 +145,7 @@ def run(case, policy, warm, options, cprofile=0):
     key, spec = case.split(":")
     model, inputs = td.MODELS[key][0](False)
     total = td.nbytes(model)
-    budget = int(total * float(spec)) if "." in spec else int(spec)
+    budget = td.budget_bytes(spec, total)
     kw = inputs()
     step = lambda: model(**kw)  # noqa: E731
     with torch.no_grad():

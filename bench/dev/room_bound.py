@@ -208,7 +208,7 @@ def main() -> None:
             built[key] = td.MODELS[key][0](False)
         model, inputs = built[key]
         total = td.nbytes(model)
-        budget = int(total * float(spec)) if "." in spec else int(spec)
+        budget = td.budget_bytes(spec, total)
         items, sizes, top, resident = timeline(model, inputs(), budget, div)
         room = budget - top
         simple = max(resident, (total - budget) / bytes_per_ms)

@@ -123,6 +123,11 @@ def nbytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
+def budget_bytes(spec: str, total: int) -> int:
+    """A budget as the tools spell it: a fraction of the weights (with a point) or bytes."""
+    return int(total * float(spec)) if "." in spec else int(spec)
+
+
 def link_gbps() -> float:
     """Host-to-device copy rate of one 1 GiB pinned copy, best of 5."""
     src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
@@ -185,7 +190,7 @@ def run_variant(key: str, name: str, budget_spec: str, steps: int, smoke: bool) 
     build = MODELS[key][0]
     model, inputs = build(smoke)
     total = nbytes(model)
-    budget = int(total * float(budget_spec)) if "." in budget_spec else int(budget_spec)
+    budget = budget_bytes(budget_spec, total)
     if smoke:
         budget = max(total // 3, 64 * MiB)
     kw = inputs()
