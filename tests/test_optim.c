@@ -551,12 +551,8 @@ static void keep_freed_bad_input(void **s) {
     assert_int_equal(kept, 77); /* untouched on failure */
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(TEST_ASAN) || defined(TEST_TSAN)
 #define SANITIZED_MALLOC 1 /* the sanitizer's allocator replaces glibc's: mallopt does nothing */
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define SANITIZED_MALLOC 1
-#endif
 #endif
 
 #if defined(__GLIBC__) && !defined(SANITIZED_MALLOC)

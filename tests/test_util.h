@@ -19,6 +19,24 @@
 #include "stats.h"
 #include "trace.h"
 
+/* The sanitizer the test program is built with (gcc defines __SANITIZE_*__, clang answers
+ * __has_feature): TEST_ASAN, TEST_TSAN. Tests of the host's own time or of glibc's allocator
+ * leave out what the sanitizer's instrumentation or allocator changes. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TEST_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define TEST_TSAN 1
+#endif
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) && !defined(TEST_ASAN)
+#define TEST_ASAN 1
+#endif
+#if __has_feature(thread_sanitizer) && !defined(TEST_TSAN)
+#define TEST_TSAN 1
+#endif
+#endif
+
 /* Context on the backend named by SPW_TEST_BACKEND (emu unless set to cuda), with `conf`
  * ("key=value,...", may be NULL) applied on top. Fails the test on error. */
 spw_ctx *test_ctx(const char *conf);
