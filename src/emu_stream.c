@@ -32,12 +32,12 @@
 
 /* Make a transfer of `bytes` that started at t0 end no earlier than bytes / rate after the link
  * was free: a transfer queued behind the previous one (started within LINK_GAP_NS of its end)
- * continues the link's clock, so that the sleeps' overshoot is not added once per transfer and a
- * run of small copies moves at the rate; after an idle link the clock starts at t0. */
+ * starts where that one ended, so that the sleeps' overshoot is not added once per transfer and
+ * a run of small copies moves at the rate; after an idle link the clock starts at t0. */
 #define LINK_GAP_NS 100000u
 static void throttle(const emu_backend *e, emu_stream *s, size_t bytes, uint64_t t0) {
     if (e->gbps <= 0) return;
-    uint64_t start = t0 <= s->link_ns + LINK_GAP_NS ? SPW_MIN(t0, s->link_ns) : t0;
+    uint64_t start = t0 <= s->link_ns + LINK_GAP_NS ? s->link_ns : t0;
     uint64_t end = start + (uint64_t)((double)bytes / e->gbps); /* GB/s == bytes/ns */
     s->link_ns = end;
     uint64_t now = spw__now_ns();
