@@ -173,6 +173,7 @@ typedef struct spw_counter {
     X(cross_stream_waits, 0, "reuses of a block on another stream, ordered by an event")      \
     X(trim_syncs, 0, "host waits for the device to return cached memory (trims)")             \
     X(window_evictions, 0, "uploads given room by evicting adjacent buffers instead of a trim") \
+    X(ring_uploads, 0, "uploads placed in a split's room after the one before (its ring)")       \
     X(ooms, 0, "allocations refused for lack of memory")                                      \
     X(bytes_h2d, 1, "buffer bytes copied host to device (uploads, managed prefetches)")        \
     X(bytes_d2h, 1, "buffer bytes copied device to host (write-backs, managed evictions)")     \

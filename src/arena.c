@@ -170,6 +170,8 @@ spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out) {
 
 bool spw__arena_whole(const spw_arena *a) { return a->p.whole; }
 
+bool spw__arena_pages(const spw_arena *a) { return a->p.vmm; }
+
 void spw__arena_destroy(spw_arena *a) {
     if (!a) return;
     for (seg *s = a->segs, *sn; s; s = sn) {
@@ -564,6 +566,38 @@ spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, sp
     bin_remove(p, b);
     if (a->p.vmm && owed_in(a, p, b->addr, b->addr + b->size) >= b->size) extend_right(a, b, n);
     b = carve_least_owed(a, b, n, p);
+    uintptr_t lo = b->addr, hi = b->addr + b->size;
+    for (int i = a->nowed; i-- > 0;) {
+        owed *o = &a->owed[i];
+        if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
+        w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
+        if (o->lo >= lo && o->hi <= hi) owed_drop(a, i); /* wholly passed on */
+    }
+    *out = b;
+    return SPW_OK;
+}
+
+spw_status spw__arena_alloc_at(spw_arena *a, uintptr_t addr, size_t bytes, spw_stream s, spw_block **out,
+                               spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw) {
+    *nw = 0;
+    size_t n = SPW_ALIGN_UP(bytes, ROUND);
+    spool *p = pool_get(a, s, false);
+    if (!a->p.vmm || !a->segs || !p || addr % ROUND) return SPW_ERR_OUT_OF_MEMORY;
+    spw_block *b = a->segs->first;
+    while (b && b->addr + b->size <= addr) b = b->next;
+    if (!b || b->state != B_FREE || b->pool != p || b->addr + b->size < addr + n) return SPW_ERR_OUT_OF_MEMORY;
+    for (int i = a->nowed; i-- > 0;) { /* only p's own waits can be passed on */
+        spw_status st = a->owed[i].pool != p ? settle_one(a, i) : SPW_OK;
+        if (st) return st;
+    }
+    bin_remove(p, b);
+    if (addr > b->addr) { /* the bytes before addr stay cached */
+        spw_block *t = split_tail(a, b, addr - b->addr, B_FREE, NULL);
+        bin_insert(p, b);
+        if (!t) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
+        b = t;
+    }
+    carve(a, b, n, p);
     uintptr_t lo = b->addr, hi = b->addr + b->size;
     for (int i = a->nowed; i-- > 0;) {
         owed *o = &a->owed[i];

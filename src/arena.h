@@ -43,6 +43,8 @@ typedef struct spw_arena_params {
 spw_status spw__arena_create(const spw_arena_params *p, spw_arena **out);
 /* A block is its whole segment (p.whole): cached blocks serve only requests of their size. */
 bool spw__arena_whole(const spw_arena *a);
+/* The arena maps pages in one reservation (VMM). */
+bool spw__arena_pages(const spw_arena *a);
 void spw__arena_destroy(spw_arena *a);
 /* The following are called with the owner's lock held (the context's). */
 spw_status spw__arena_alloc(spw_arena *a, size_t bytes, spw_stream s, spw_block **out);
@@ -71,6 +73,12 @@ spw_status spw__arena_free_after(spw_arena *a, spw_block *b, spw_stream s, spw_e
  * an event and the room beside it become one, used from the end that owes nothing. */
 spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
                                     spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw);
+/* VMM: [addr, addr + bytes) (addr a multiple of 512) as a live block for stream s, where it lies
+ * within one cached block of s's pool (the bytes around it stay cached); waits s owes on it are
+ * handed out as by spw__arena_alloc_ordered. SPW_ERR_OUT_OF_MEMORY (no message) where it does not
+ * lie so. For placement chosen by the caller (a ring: spw__arena_next_run). */
+spw_status spw__arena_alloc_at(spw_arena *a, uintptr_t addr, size_t bytes, spw_stream s, spw_block **out,
+                               spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw);
 /* Owe w again on stream s (a caller that could not enqueue waits it was handed). Cannot fail:
  * with the table full it waits for ev on the host. */
 void spw__arena_owe(spw_arena *a, const spw_arena_wait *w, spw_stream s);
@@ -103,6 +111,16 @@ typedef uint64_t (*spw_arena_rank)(void *u, void *owner);
  * Nothing changes: the caller frees the blocks into s's pool, where they coalesce. */
 size_t spw__arena_window(spw_arena *a, size_t bytes, spw_stream s, spw_arena_rank rank, void *u, void **owners,
                          size_t max);
+/* VMM: the next place for a ring's `bytes` on stream s. Scanning the blocks from address `from`
+ * (to the end, then from the first block back to `from`), the first run of adjacent blocks holding
+ * bytes from its start (at `from` within the first block) in which every block is cached in s's
+ * pool or live with an owner that accept() takes (1). A block accept() refuses (0), a hole,
+ * another pool's cached block or a live block with no owner ends the run; the scan goes on after
+ * it. 1: found, *at its start, the owners of its live blocks in owners (*n, at most max). 0: no
+ * such run. -1: accept() answered -1 (stop: the scan ends there). -2: a run needed more than max
+ * owners. Nothing changes. */
+int spw__arena_next_run(const spw_arena *a, uintptr_t from, size_t bytes, spw_stream s, int (*accept)(void *u, void *owner),
+                        void *u, void **owners, size_t max, size_t *n, uintptr_t *at);
 /* Record what holds live block b (NULL: nothing a window may give up); cleared when b is freed. */
 void spw__block_set_owner(spw_block *b, void *owner);
 /* Stream s (already synchronized) is about to be destroyed: its free blocks move to the default

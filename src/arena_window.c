@@ -1,6 +1,6 @@
 /*
  * The device arena: which live blocks to give up so that an allocation finds one run of
- * adjacent bytes without a trim. At the budget with no cached block large enough, the arena
+ * adjacent bytes without a trim (a window of the arena's choosing, or a range of the caller's). At the budget with no cached block large enough, the arena
  * would return scattered cached pages to the backend and map new ones, and an unmap waits for
  * the device (arena_trim.c). Emptying adjacent blocks instead costs only stream-ordered waits.
  * The caller ranks the candidates (the engine asks its policy) and evicts the owners this
@@ -61,6 +61,51 @@ size_t spw__arena_window(spw_arena *a, size_t bytes, spw_stream s, spw_arena_ran
         got += j->size;
     }
     return k;
+}
+
+int spw__arena_next_run(const spw_arena *a, uintptr_t from, size_t bytes, spw_stream s, int (*accept)(void *u, void *owner),
+                        void *u, void **owners, size_t max, size_t *n, uintptr_t *at) {
+    *n = 0;
+    if (!a->p.vmm || !a->segs) return 0;
+    const spool *p = NULL;
+    for (size_t i = 0; i < a->npools; i++)
+        if (a->pools[i]->stream == s) p = a->pools[i];
+    if (!p) return 0;
+    size_t need = SPW_ALIGN_UP(bytes, ROUND);
+    const spw_block *first = a->segs->first, *b = first;
+    while (b && b->addr + b->size <= from) b = b->next;
+    bool wrapped = !b;
+    if (wrapped) b = first;
+    uintptr_t start = SPW_MAX(b->addr, SPW_ALIGN_UP(from, ROUND));
+    size_t k = 0;
+    for (;;) {
+        if (!b || (wrapped && b->addr >= from)) {
+            if (wrapped) return 0;
+            wrapped = true; /* a run does not cross the end: it starts again at the first block */
+            b = first;
+            start = b->addr;
+            k = 0;
+            continue;
+        }
+        int ok = b->state == B_FREE ? b->pool == p : b->state == B_LIVE && b->owner ? accept(u, b->owner) : 0;
+        if (ok < 0) return -1;
+        if (!ok) {
+            b = b->next;
+            if (b) start = b->addr;
+            k = 0;
+            continue;
+        }
+        if (b->state == B_LIVE) {
+            if (k == max) return -2;
+            owners[k++] = b->owner;
+        }
+        if (b->addr + b->size >= start + need) {
+            *n = k;
+            *at = start;
+            return 1;
+        }
+        b = b->next;
+    }
 }
 
 void spw__block_set_owner(spw_block *b, void *owner) { b->owner = owner; }

@@ -98,6 +98,9 @@ size_t spw__pol_device_bytes(const spw_buf *b) {
     if (!b->resident) return 0;
     return b->managed ? b->bytes : spw__block_size(b->dblock);
 }
+bool spw__pol_ring(const spw_ctx *ctx) {
+    return ctx->cfg.ring && ctx->engine && ctx->engine->streams_ok && spw__arena_pages(ctx->large);
+}
 uint64_t spw__pol_step(const spw_ctx *ctx) { return ctx->engine ? ctx->engine->step : 0; }
 spw_buf *spw__pol_first(spw_ctx *ctx) { return ctx->engine ? ctx->engine->first : NULL; }
 spw_buf *spw__pol_next(spw_buf *b) { return b->next; }
@@ -590,6 +593,7 @@ spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b) {
 spw_status spw__engine_stream_room(spw_ctx *ctx) {
     struct spw_engine *e = ctx->engine;
     if (!e->streams_ok) return SPW_OK;
+    e->ring_at = 0;
     spw_status st = spw__arena_trim(ctx->large, SIZE_MAX, NULL);
     int64_t room = (int64_t)ctx->budget - ctx->stats.held.current;
     if (st || room <= 0) return st;

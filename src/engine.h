@@ -153,6 +153,7 @@ struct spw_engine {
     spw_tsink *sink; /* stall timing and the optional trace */
     int64_t events_live; /* events created by the engine and not destroyed (tests: leaks) */
     bool owe_waits;      /* an upload is being given room: victims' blocks are freed owing waits */
+    uintptr_t ring_at;   /* a split's next streamed upload is placed from here (residency.c) */
     struct spw_pf *pf;   /* the prefetch worker (prefetch_thread.c), NULL until first used */
     spw_stream wait_s;   /* step_wait.c: the engine's stream and event for waiting on a step */
     spw_event wait_ev;

@@ -31,6 +31,7 @@ struct spw_config {
                                    -1: auto (tuned by measuring steps) */
     int prefetch_thread;        /* policy=plan: 1 = the prefetches after an acquire run on a worker */
     int prefetch_trim;          /* 0 = a prefetch whose room needs a trim is declined */
+    int ring;                   /* 0 = a split's streamed uploads take room as any other upload */
     int host_register;          /* 0 = caller memory registered as a host copy is left pageable */
     size_t pin_limit;           /* caller memory this context page-locks at most */
     int pin_rebalance;          /* 1 = page-locked memory goes to the buffers that move (pin_share.c) */

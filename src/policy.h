@@ -104,6 +104,17 @@ typedef struct spw_policy_ops {
      * free run serves any size. NULL: b's bytes. */
     size_t (*block_bytes)(spw_policy *p, spw_buf *b);
 
+    /* A split streams the buffers outside its fixed set through the rest of the budget in their
+     * order of use: each upload is placed at the first run of bytes after the one before it that
+     * holds it (a ring over the device memory, stepping over what is not the ring's), its victims
+     * the buffers in those bytes, the oldest uploads, whose work is long done. ring_member: whether
+     * b's upload is placed so now. ring_victim: whether v, in bytes incoming's upload would take,
+     * may go for it: 1 yes; 0 v is not the ring's (stepped over); -1 v is the ring's but not free
+     * yet (acquired, or for a prefetch needed no later than incoming): the prefetch waits. NULL:
+     * no ring. */
+    bool (*ring_member)(spw_policy *p, spw_buf *b);
+    int (*ring_victim)(spw_policy *p, spw_buf *v, spw_buf *incoming, int for_prefetch);
+
     /* One line for the summary on what the policy is doing (what it learned, what it chose),
      * written to buf (NUL-terminated, truncated to len); may write nothing. */
     void (*describe)(spw_policy *p, char *buf, size_t len);
@@ -124,6 +135,8 @@ bool spw__pol_read_only(const spw_buf *b);
 /* Device bytes that evicting b returns to the budget. */
 size_t spw__pol_device_bytes(const spw_buf *b);
 uint64_t spw__pol_step(const spw_ctx *ctx); /* spw_step_begin calls so far */
+/* Uploads of ring members are placed in a ring (ring_member): pages, copy streams, option ring on. */
+bool spw__pol_ring(const spw_ctx *ctx);
 /* First / next live buffer of the context in creation order (walk all candidates). */
 spw_buf *spw__pol_first(spw_ctx *ctx);
 spw_buf *spw__pol_next(spw_buf *b);
@@ -138,7 +151,8 @@ spw_status spw__engine_prefetch(spw_ctx *ctx, spw_buf *b, int may_evict);
 spw_status spw__engine_evict(spw_ctx *ctx, spw_buf *b);
 /* Make the device room the budget leaves one free block that uploads take from: the large
  * arena's cached memory is returned (synchronizing its streams: the host waits) and the room
- * left is mapped in one piece for the H2D stream. VMM arenas only; elsewhere it does nothing. */
+ * left is mapped in one piece for the H2D stream, where the ring starts again. VMM arenas only;
+ * elsewhere it does nothing. */
 spw_status spw__engine_stream_room(spw_ctx *ctx);
 
 /* The policies. The engine is handed one at creation (ctx_create.c picks it by option value). */

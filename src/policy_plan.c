@@ -428,6 +428,20 @@ static uint64_t plan_rank_victim(spw_policy *p, spw_buf *b, spw_buf *incoming, i
     return r;
 }
 
+static bool plan_ring_member(spw_policy *p, spw_buf *b) {
+    if (p->taking_up || p->rebasing || !predicting(p) || p->early_max != PF_STATIC) return false;
+    kbuf *k = kb_of(b);
+    return k && !k->fixed;
+}
+
+static int plan_ring_victim(spw_policy *p, spw_buf *v, spw_buf *incoming, int for_prefetch) {
+    kbuf *k = kb_of(v);
+    if (!k || k->fixed || v == incoming) return 0;
+    if (!candidate(p, v, incoming)) return for_prefetch ? -1 : 0;
+    if (for_prefetch && incoming && distance(p, v, NULL) <= distance(p, incoming, NULL)) return -1;
+    return 1;
+}
+
 static int plan_need_writeback(spw_policy *p, spw_buf *b) {
     if (!predicting(p)) return 1;
     spw_access mode;
@@ -443,8 +457,12 @@ static int plan_need_writeback(spw_policy *p, spw_buf *b) {
 static void prefetch_window(spw_policy *p, spw_ctx *ctx, bool after_acquire) {
     if (!after_acquire) { /* a step begins or ends: the fixed set follows the plan and the pipeline in force */
         spw__plan_fix_for_pipeline(p);
+        /* a ring's fixed set is placed in one run when its pipeline comes into force; later its
+         * displaced buffers only come back (wherever there is room: the ring steps over them) */
+        if (p->early_max == PF_STATIC && spw__pol_ring(ctx)) spw__plan_take_up_fixed(p, ctx, p->ring_prev != PF_STATIC);
+        p->ring_prev = p->early_max;
         if (p->early_max == PF_SLOT) {
-            p->slot_step_broken |= spw__plan_take_up_fixed(p, ctx);
+            p->slot_step_broken |= spw__plan_take_up_fixed(p, ctx, false);
             if (p->in_step) { /* a step begins: judge the one that ended */
                 bool broken = p->slot_step_broken || ctx->stats.trim_syncs.total > p->trims_seen;
                 p->slot_step_broken = false;
@@ -536,5 +554,7 @@ const spw_policy_ops spw__policy_plan = {
     .need_writeback = plan_need_writeback,
     .prefetch = plan_prefetch,
     .block_bytes = plan_block_bytes,
+    .ring_member = plan_ring_member,
+    .ring_victim = plan_ring_victim,
     .describe = spw__plan_describe,
 };

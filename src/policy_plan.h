@@ -138,6 +138,7 @@ struct spw_policy {
     unsigned trials_left_out;       /* bit i: EARLY_TRIALS[i] is not tried (a step that writes: no split) */
     unsigned trials_cut;            /* bit i: EARLY_TRIALS[i]'s trial ended at its settle step (SETTLE_CUT) */
     int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
+    int ring_prev;                  /* the pipeline in force at the previous step boundary */
     uint32_t since_tuned;           /* steps begun since the choice */
     uint32_t retunes;               /* trials started again by a recheck */
     uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */
@@ -182,11 +183,14 @@ double spw__plan_belady_bytes(spw_policy *p, size_t cap, size_t periods);
 /* Move to the start state of a newly learned plan (from the policy's prefetch callback). */
 void spw__plan_rebase(spw_policy *p, spw_ctx *ctx);
 /* STATIC and SLOT (`mode`): mark the fixed set for the current plan, leaving room beside it for
- * the streamed buffers (two of the largest; SLOT: one and a quarter) / unmark every buffer. */
+ * the streamed buffers (two of the largest, three where they stream through a ring; SLOT: one
+ * and a quarter) / unmark every buffer. */
 void spw__plan_choose_fixed(spw_policy *p, int mode);
-/* SLOT: when a fixed buffer is not resident, make the fixed set resident and the room left one
- * piece of free device memory (the engine trims and maps it; the streams are synchronized once). */
-bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx); /* true when it had to */
+/* SLOT, and STATIC in a ring: when a fixed buffer is not resident, make the fixed set resident and
+ * the room left one piece of free device memory (the engine trims and maps it; the streams are
+ * synchronized once). `compact`: every buffer out first, so that the fixed set is placed in one
+ * run (a ring's room is then the other). */
+bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx, bool compact); /* true when it had to */
 void spw__plan_clear_fixed(spw_policy *p);
 
 /* ---- policy_plan_trials.c ---- */

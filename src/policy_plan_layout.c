@@ -198,7 +198,7 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
         for (size_t i = 0; i < p->nplan; i++) fix_key(p, p->plan[i].key);
         return;
     }
-    size_t stream = mode == PF_SLOT ? largest + SPW_ALIGN_UP(largest / 4, 512) : 2 * largest;
+    size_t stream = mode == PF_SLOT ? largest + SPW_ALIGN_UP(largest / 4, 512) : (spw__pol_ring(p->ctx) ? 3 : 2) * largest;
     if (cap <= stream) return;
     if (mode == PF_STATIC) p->slot_bytes = largest;
     size_t room = cap - stream, used = 0;
@@ -219,13 +219,20 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
     }
 }
 
-bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx) {
+bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx, bool compact) {
     bool missing = false;
     kbuf *k, *tmp;
     HASH_ITER(hh, p->by_key, k, tmp) missing |= k->fixed && !spw__pol_resident(k->buf);
-    if (!missing) return false;
-    /* the fixed set in (victims outside it), everything else out, then the room in one piece */
+    if (!missing && !compact) return false;
+    /* the fixed set in (victims outside it), everything else out, then the room in one piece.
+     * `compact` (a ring's first take-up): the fixed set is placed again from an empty device
+     * first, so that it lies in one run and the ring's room in another. */
     spw_status st = SPW_OK;
+    if (compact) {
+        for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b))
+            if (spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b)) spw__error_clear();
+        if (spw__engine_stream_room(ctx)) spw__error_clear();
+    }
     p->taking_up = true;
     HASH_ITER(hh, p->by_key, k, tmp) {
         if (k->fixed && !spw__pol_resident(k->buf) && (st = spw__engine_prefetch(ctx, k->buf, 1))) break;

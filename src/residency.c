@@ -255,6 +255,47 @@ static spw_status evict_window(spw_ctx *ctx, spw_arena *a, size_t need, spw_stre
     return SPW_OK;
 }
 
+/* ---- a split's streamed buffers in a ring ---- */
+
+#define RING_VICTIMS 64 /* at most this many evictions place one upload */
+
+typedef struct ring_ask {
+    struct spw_engine *e;
+    spw_buf *incoming;
+    int for_prefetch;
+} ring_ask;
+
+static int ring_accept(void *u, void *owner) {
+    ring_ask *r = u;
+    return r->e->pops->ring_victim(r->e->pol, owner, r->incoming, r->for_prefetch);
+}
+
+/* Place b's upload (`bytes`, arena a) at the ring's next run (spw__arena_next_run from ring_at)
+ * and evict the buffers there, owing their waits (the caller set owe_waits). SPW_ERR_UNSUPPORTED
+ * (no message): no run, the plain path places it. SPW_ERR_OUT_OF_MEMORY (no message): a
+ * prefetch whose run holds a buffer of the ring not free yet (the prefetch waits). */
+static spw_status ring_alloc(spw_ctx *ctx, spw_arena *a, spw_buf *b, size_t bytes, int for_prefetch,
+                             spw_block **out, spw_arena_wait *w, int *nw) {
+    struct spw_engine *e = ctx->engine;
+    void *v[RING_VICTIMS];
+    size_t k = 0;
+    uintptr_t at = 0;
+    ring_ask r = {e, b, for_prefetch};
+    int found = spw__arena_next_run(a, e->ring_at, bytes, e->h2d, ring_accept, &r, v, RING_VICTIMS, &k, &at);
+    if (found == -1 && for_prefetch) return SPW_ERR_OUT_OF_MEMORY;
+    if (found != 1) return SPW_ERR_UNSUPPORTED;
+    for (size_t i = 0; i < k; i++) {
+        spw_status st = spw__res_evict_buf(ctx, v[i], false);
+        if (st) return st;
+    }
+    spw_status st = spw__arena_alloc_at(a, at, bytes, e->h2d, out, w, nw);
+    if (st == SPW_ERR_OUT_OF_MEMORY) return SPW_ERR_UNSUPPORTED; /* a victim's bytes went to another pool */
+    if (st) return st;
+    e->ring_at = at + spw__block_size(*out);
+    spw__stat_event(&ctx->stats.ring_uploads);
+    return SPW_OK;
+}
+
 /* spw__ctx_alloc_block_ordered, with trims refused in both arenas while it runs when `hint` (a
  * prefetch under prefetch_trim=off: room that only a trim, a wait for the device, would give is
  * declined; the demand load, later, may trim). */
@@ -371,7 +412,12 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     spw_arena_wait w[SPW_ARENA_OWED_MAX];
     int nw = 0;
     e->owe_waits = upload && e->streams_ok;
-    st = alloc_evicting(ctx, a, want, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
+    st = SPW_ERR_UNSUPPORTED;
+    if (e->owe_waits && ctx->cfg.ring && may_evict && ctx->cfg.on_exhaust == SPW_EXHAUST_EVICT &&
+        e->pops->ring_member && spw__arena_pages(a) && e->pops->ring_member(e->pol, b))
+        st = ring_alloc(ctx, a, b, want, for_prefetch, &blk, w, &nw);
+    if (st == SPW_ERR_UNSUPPORTED)
+        st = alloc_evicting(ctx, a, want, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
     e->owe_waits = false;
     if (st) return st;
     size_t size = spw__block_size(blk);

@@ -333,7 +333,8 @@ static void prefetch_across_steps(void **state) {
     TEST_REQUIRE_EMU();
     uint8_t *host = malloc(SZ);
     for (int written = 0; written < 2; written++) {
-        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0");
+        /* the split's room of two buffers (in a ring it is three: test below) */
+        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,ring=off");
         ctx->engine->pol->early_max = PF_STATIC; /* the pipeline the timing picks on a link */
         spw_buf *b[4];
         for (int i = 0; i < 4; i++)
@@ -696,6 +697,70 @@ static void static_split_in_segments_needs_no_trim(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* The static split in pages: its streamed buffers, of several sizes, take the room in turn, each
+ * upload placed after the one before it (a ring) and evicting the oldest. Once the split is in
+ * force every streamed upload is placed so and none trims; the fixed set stays, the weights move
+ * every step, and every byte read is right. Off (ring=off), the same cycle places none so. */
+static void static_split_in_pages_streams_through_a_ring(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    enum { NB = 12, STEPS = 12, FROM = 4 };
+    const size_t kib[NB] = {6144, 3072, 5120, 2048, 4096, 6144, 1024, 5120, 3072, 6144, 2048, 4096};
+    for (int ring = 1; ring >= 0; ring--) {
+        spw_ctx *ctx = test_ctx(ring ? "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on"
+                                     : "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,ring=off");
+        spw_policy *pol = ctx->engine->pol;
+        pol->early_max = PF_STATIC;
+        spw_buf *b[NB];
+        uint8_t *tmp = malloc(6 * MiB);
+        size_t total = 0;
+        for (int i = 0; i < NB; i++) {
+            assert_ok(spw_buf_create(ctx, kib[i] * 1024, SPW_BUF_READ_ONLY, &b[i]));
+            memset(tmp, 0x50 + i, kib[i] * 1024);
+            assert_ok(spw_buf_write(b[i], 0, tmp, kib[i] * 1024));
+            total += kib[i] * 1024;
+        }
+        atomic_int bad;
+        atomic_init(&bad, 0);
+        spw_stats st0 = {0};
+        size_t streamed = 0;
+        test_kcheck kc[NB]; /* read by the device after the loop moves on: one each */
+        for (int s = 0; s < STEPS; s++) {
+            if (s == FROM) {
+                st0 = test_stats(ctx);
+                for (int i = 0; i < NB; i++) streamed += kb_of(b[i])->fixed ? 0 : kib[i] * 1024;
+            }
+            assert_ok(spw_step_begin(ctx));
+            for (int i = 0; i < NB; i++) {
+                void *d;
+                assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+                kc[i] = (test_kcheck){d, kib[i] * 1024, (uint8_t)(0x50 + i), NULL, &bad};
+                assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc[i]));
+                assert_ok(spw_release(b[i], NULL));
+            }
+            assert_ok(spw_step_end(ctx));
+            assert_ok(spw_stream_synchronize(ctx, NULL));
+        }
+        spw_stats st = test_stats(ctx);
+        int nstreamed = 0;
+        for (int i = 0; i < NB; i++) nstreamed += !kb_of(b[i])->fixed;
+        assert_int_equal(atomic_load(&bad), 0);
+        assert_int_equal(pol->early_max, PF_STATIC);
+        assert_int_equal(st.plan_divergences.total, 0);
+        assert_true(nstreamed > 2 && streamed > 0 && streamed + 32 * MiB > total);
+        if (ring) {
+            assert_int_equal(st.trim_syncs.total - st0.trim_syncs.total, 0);
+            assert_int_equal(st.ring_uploads.total - st0.ring_uploads.total, (STEPS - FROM) * nstreamed);
+            assert_true(st.bytes_h2d.total - st0.bytes_h2d.total >= (int64_t)((STEPS - FROM) * streamed));
+        } else {
+            assert_int_equal(st.ring_uploads.total, 0);
+        }
+        assert_true(st.held.peak <= 32 * (int64_t)MiB);
+        free(tmp);
+        spw_ctx_destroy(ctx);
+    }
+}
+
 /* A buffer written on the caller's stream (no upload) at the budget, where no cached block
  * holds it: its room is a run of the H2D stream's blocks (a window), taken without a trim;
  * the victims' contents and its own stay intact. */
@@ -745,6 +810,7 @@ int main(void) {
         cmocka_unit_test(exact_victims),
         cmocka_unit_test(mixed_sizes_need_no_trim),
         cmocka_unit_test(static_split_in_segments_needs_no_trim),
+        cmocka_unit_test(static_split_in_pages_streams_through_a_ring),
         cmocka_unit_test(write_on_the_callers_stream_needs_no_trim),
         cmocka_unit_test(dead_data_not_written_back),
         cmocka_unit_test(read_after_drop_is_an_error),

@@ -22,7 +22,7 @@ import torch_diffusion as td  # noqa: E402
 import spillway.torch as spt  # noqa: E402
 from diffusion_profile import timed  # noqa: E402  (same directory)
 
-KEYS = ("bytes_h2d", "window_evictions", "stalls", "trim_syncs", "plan_divergences", "plan_prefetch_bytes",
+KEYS = ("bytes_h2d", "window_evictions", "ring_uploads", "stalls", "trim_syncs", "plan_divergences", "plan_prefetch_bytes",
         "evictions_clean", "evictions_dirty")
 
 
@@ -65,12 +65,12 @@ def run(case: str, steps: int, options: dict, quiet: bool) -> None:
             if not quiet or line != last:
                 print(f"step {i:3d} {wall:7.1f} ms  up {d['bytes_h2d'] / 2**20:6.0f} MiB (prefetched "
                       f"{d['plan_prefetch_bytes'] / 2**20:5.0f})  evictions {d['evictions_clean'] + d['evictions_dirty']:3d}  "
-                      f"window {d['window_evictions']:3d}  stalls {d['stalls']:3d}  trims {d['trim_syncs']:3d}  "
+                      f"window {d['window_evictions']:3d}  ring {d['ring_uploads']:3d}  stalls {d['stalls']:3d}  trims {d['trim_syncs']:3d}  "
                       f"diverged {d['plan_divergences']}" + (f"\n         {line}" if line != last else ""))
             last = line
         tail = walls[steps // 2:]
         print(f"last step: {d['bytes_h2d'] / 2**20:.0f} MiB up, {d['stalls']} stalls, {d['window_evictions']} window "
-              f"evictions, {d['trim_syncs']} trims; hooks {h.hook_stats()['hook_us_median']:.1f} us (median)")
+              f"evictions, {d['ring_uploads']} ring uploads, {d['trim_syncs']} trims; hooks {h.hook_stats()['hook_us_median']:.1f} us (median)")
         print(f"steady (second half) median {statistics.median(tail):.1f} ms, min {min(tail):.1f}; "
               f"x resident {statistics.median(tail) / resident:.3f}, x bound {statistics.median(tail) / bound:.3f}")
         h.remove()

@@ -110,12 +110,13 @@ static int replay(const char *mode_s, double div, double gbps, double host_ms, c
     if (spw_stream_create(ctx, &s)) return 1;
     enum { STEPS = 40, FROM = 25 };
     double sum_ms = 0;
-    int64_t h2d0 = 0, trims0 = 0, stalls0 = 0;
+    int64_t h2d0 = 0, trims0 = 0, stalls0 = 0, ring0 = 0, win0 = 0;
     spw_stats x;
     for (int step = 0; step < STEPS; step++) {
         if (step == FROM) {
             if (spw_stats_get(ctx, &x)) return 1;
             h2d0 = x.bytes_h2d.total, trims0 = x.trim_syncs.total, stalls0 = x.stalls.total;
+            ring0 = x.ring_uploads.total, win0 = x.window_evictions.total;
         }
         double t0 = now_ms();
         if (spw_step_begin(ctx)) return 1;
@@ -137,9 +138,10 @@ static int replay(const char *mode_s, double div, double gbps, double host_ms, c
     char desc[512] = "";
     if (ctx->engine->pops->describe) ctx->engine->pops->describe(ctx->engine->pol, desc, sizeof desc);
     printf("mode %s: %.2f ms a step, %.2f unscaled (compute %.2f, link for the bytes moved %.2f unscaled); "
-           "%.0f KiB up a step (%.2f of the weights), stalls %.1f, trims %.1f\n  %s\n",
+           "%.0f KiB up a step (%.2f of the weights), stalls %.1f, trims %.1f, ring %.1f, windows %.1f\n  %s\n",
            mode_s, sum_ms / steps, sum_ms / steps / mul, res_ms / mul, up / (gbps * 1e6) / mul, up / 1024, up / total,
-           (double)(x.stalls.total - stalls0) / steps, (double)(x.trim_syncs.total - trims0) / steps, desc);
+           (double)(x.stalls.total - stalls0) / steps, (double)(x.trim_syncs.total - trims0) / steps,
+           (double)(x.ring_uploads.total - ring0) / steps, (double)(x.window_evictions.total - win0) / steps, desc);
     for (int i = 0; i < tl_units; i++) spw_buf_destroy(b[i]);
     spw_stream_destroy(ctx, s);
     return spw_ctx_destroy(ctx) != SPW_OK;

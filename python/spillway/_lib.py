@@ -28,6 +28,7 @@ STAT_NAMES = (
     "cross_stream_waits",
     "trim_syncs",
     "window_evictions",
+    "ring_uploads",
     "ooms",
     "bytes_h2d",
     "bytes_d2h",
