@@ -432,6 +432,73 @@ static void window_picks_the_best_run(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+static void bytes_cb(void *u, uintptr_t addr, size_t size, int state) {
+    (void)addr;
+    ((size_t *)u)[state] += size;
+}
+
+/* accept() of the ring's scan: the rank as a verdict (0 step over, 1 take, 9 stop). */
+static int accept_of(void *u, void *owner) {
+    ranks *k = u;
+    uint64_t r = k->r[(int)(intptr_t)owner - 1];
+    return r == 9 ? -1 : (int)r;
+}
+
+/* A ring's next place: the first run from an address that holds the bytes, over cached blocks
+ * and the blocks accept() takes, stepping over the ones it refuses, wrapping once; and the
+ * allocation at a caller's address, only inside one cached block, the bytes around it staying
+ * cached. */
+static void next_run_and_alloc_at(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_ctx *ctx = emu_ctx("vmm=on");
+    ranks k = {{1, 0, 1, 1}, {0}};
+    for (int i = 0; i < 4; i++) {
+        assert_ok(spw__arena_alloc(ctx->large, 4 * MiB, NULL, &k.blk[i]));
+        spw__block_set_owner(k.blk[i], (void *)(intptr_t)(i + 1));
+    }
+    uintptr_t a0 = (uintptr_t)spw__block_ptr(k.blk[0]), at = 0;
+    void *v[4];
+    size_t n = 0;
+    /* from A: {A} holds 4 MiB; 6 MiB needs B, which must stay: {C, D} from C */
+    assert_int_equal(spw__arena_next_run(ctx->large, a0, 4 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
+    assert_true(at == a0 && n == 1 && (intptr_t)v[0] == 1);
+    assert_int_equal(spw__arena_next_run(ctx->large, a0, 6 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
+    assert_true(at == a0 + 8 * MiB && n == 2 && (intptr_t)v[0] == 3 && (intptr_t)v[1] == 4);
+    assert_int_equal(spw__arena_next_run(ctx->large, a0, 6 * MiB, NULL, accept_of, &k, v, 1, &n, &at), -2);
+    /* from the middle of D: the run starts there; past D's end it wraps to A */
+    assert_int_equal(spw__arena_next_run(ctx->large, a0 + 13 * MiB, 3 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
+    assert_true(at == a0 + 13 * MiB && n == 1 && (intptr_t)v[0] == 4);
+    assert_int_equal(spw__arena_next_run(ctx->large, a0 + 13 * MiB, 4 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
+    assert_true(at == a0 && n == 1 && (intptr_t)v[0] == 1);
+    k.r[2] = 9; /* C is the ring's and not free yet: the scan stops there */
+    assert_int_equal(spw__arena_next_run(ctx->large, a0, 6 * MiB, NULL, accept_of, &k, v, 4, &n, &at), -1);
+    k.r[2] = 1;
+    assert_int_equal(spw__arena_next_run(ctx->large, a0, 20 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 0);
+    /* C given up: 4 MiB cached at a0 + 8 MiB; alloc_at inside it only */
+    spw__arena_free(ctx->large, k.blk[2], NULL);
+    spw_block *b = NULL;
+    spw_arena_wait w[SPW_ARENA_OWED_MAX];
+    int nw = -1;
+    size_t held = spw__arena_held(ctx->large);
+    assert_int_equal(spw__arena_alloc_at(ctx->large, a0 + 7 * MiB, 2 * MiB, NULL, &b, w, &nw), SPW_ERR_OUT_OF_MEMORY);
+    assert_int_equal(spw__arena_alloc_at(ctx->large, a0 + 11 * MiB, 2 * MiB, NULL, &b, w, &nw), SPW_ERR_OUT_OF_MEMORY);
+    assert_int_equal(spw__arena_alloc_at(ctx->large, a0 + 9 * MiB + 1, MiB, NULL, &b, w, &nw), SPW_ERR_OUT_OF_MEMORY);
+    assert_null(b);
+    assert_ok(spw__arena_alloc_at(ctx->large, a0 + 9 * MiB, 2 * MiB, NULL, &b, w, &nw));
+    assert_true((uintptr_t)spw__block_ptr(b) == a0 + 9 * MiB && spw__block_size(b) == 2 * MiB && nw == 0);
+    assert_int_equal(spw__arena_held(ctx->large), held); /* nothing mapped or returned */
+    check(ctx);
+    size_t bytes[3] = {0};
+    spw__arena_walk(ctx->large, bytes_cb, bytes);
+    assert_int_equal(bytes[1], 2 * MiB); /* the cached bytes around it: 1 MiB each side */
+    spw__arena_free(ctx->large, b, NULL);
+    for (int i = 0; i < 4; i++)
+        if (i != 2) spw__arena_free(ctx->large, k.blk[i], NULL);
+    check(ctx);
+    spw_ctx_destroy(ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(split_and_coalesce), cmocka_unit_test(best_fit),
@@ -441,6 +508,7 @@ int main(void) {
         cmocka_unit_test(budget_is_hard),     cmocka_unit_test(a_trim_that_frees_nothing_does_not_wait),
         cmocka_unit_test(cross_stream_reuse_waits),
         cmocka_unit_test(hot_path_no_backend_calls), cmocka_unit_test(window_picks_the_best_run),
+        cmocka_unit_test(next_run_and_alloc_at),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
