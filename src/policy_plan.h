@@ -138,7 +138,8 @@ struct spw_policy {
     unsigned trials_left_out;       /* bit i: EARLY_TRIALS[i] is not tried (a step that writes: no split) */
     unsigned trials_cut;            /* bit i: EARLY_TRIALS[i]'s trial ended at its settle step (SETTLE_CUT) */
     int chosen;                     /* the pipeline chosen by timing: index into EARLY_TRIALS */
-    int ring_prev;                  /* the pipeline in force at the previous step boundary */
+    int ring_prev;                  /* the pipeline in force at the previous step boundary (PF_OFF
+                                       after a new plan: its fixed set is placed again) */
     uint32_t since_tuned;           /* steps begun since the choice */
     uint32_t retunes;               /* trials started again by a recheck */
     uint8_t slot_broken;            /* SLOT's last eight steps since the timing chose it, 1 = broken */

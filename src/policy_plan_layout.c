@@ -137,6 +137,7 @@ static void set_targets(spw_policy *p, bool from_sim) {
  * evicting only buffers outside the target set; stop at the first that finds no room. */
 void spw__plan_rebase(spw_policy *p, spw_ctx *ctx) {
     p->rebase_due = false;
+    p->ring_prev = PF_OFF; /* a new plan's fixed set is placed in one run again */
     if (!p->index || !p->nplan || !simulate_start(p, spw__plan_capacity(p))) return;
     set_targets(p, true);
     p->cursor = 0;
