@@ -551,28 +551,41 @@ static spw_block *carve_least_owed(spw_arena *a, spw_block *b, size_t n, spool *
     return t;
 }
 
+/* Enqueue the waits owed by pools other than p: only p's own can be passed on to a caller. */
+static spw_status settle_others(spw_arena *a, const spool *p) {
+    for (int i = a->nowed; i-- > 0;) {
+        spw_status st = a->owed[i].pool != p ? settle_one(a, i) : SPW_OK;
+        if (st) return st;
+    }
+    return SPW_OK;
+}
+
+/* Hand p's waits owed on live block b's bytes to the caller (w, *nw: clipped to b), dropping
+ * those wholly passed on. */
+static void pass_owed(spw_arena *a, const spool *p, const spw_block *b, spw_arena_wait *w, int *nw) {
+    uintptr_t lo = b->addr, hi = b->addr + b->size;
+    for (int i = a->nowed; i-- > 0;) {
+        owed *o = &a->owed[i];
+        if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
+        w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
+        if (o->lo >= lo && o->hi <= hi) owed_drop(a, i);
+    }
+}
+
 spw_status spw__arena_alloc_ordered(spw_arena *a, size_t bytes, spw_stream s, spw_block **out,
                                     spw_arena_wait w[SPW_ARENA_OWED_MAX], int *nw) {
     *nw = 0;
     size_t n = SPW_ALIGN_UP(bytes, ROUND);
     spool *p = pool_get(a, s, true);
     if (!p) return spw__error(SPW_ERR_HOST_OUT_OF_MEMORY, "arena: out of host memory");
-    for (int i = a->nowed; i-- > 0;) { /* only p's own waits can be passed on */
-        spw_status st = a->owed[i].pool != p ? settle_one(a, i) : SPW_OK;
-        if (st) return st;
-    }
+    spw_status st = settle_others(a, p);
+    if (st) return st;
     spw_block *b = a->nowed ? pool_fit(a, p, n) : NULL;
     if (!b) return spw__arena_alloc(a, bytes, s, out);
     bin_remove(p, b);
     if (a->p.vmm && owed_in(a, p, b->addr, b->addr + b->size) >= b->size) extend_right(a, b, n);
     b = carve_least_owed(a, b, n, p);
-    uintptr_t lo = b->addr, hi = b->addr + b->size;
-    for (int i = a->nowed; i-- > 0;) {
-        owed *o = &a->owed[i];
-        if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
-        w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
-        if (o->lo >= lo && o->hi <= hi) owed_drop(a, i); /* wholly passed on */
-    }
+    pass_owed(a, p, b, w, nw);
     *out = b;
     return SPW_OK;
 }
@@ -586,10 +599,8 @@ spw_status spw__arena_alloc_at(spw_arena *a, uintptr_t addr, size_t bytes, spw_s
     spw_block *b = a->segs->first;
     while (b && b->addr + b->size <= addr) b = b->next;
     if (!b || b->state != B_FREE || b->pool != p || b->addr + b->size < addr + n) return SPW_ERR_OUT_OF_MEMORY;
-    for (int i = a->nowed; i-- > 0;) { /* only p's own waits can be passed on */
-        spw_status st = a->owed[i].pool != p ? settle_one(a, i) : SPW_OK;
-        if (st) return st;
-    }
+    spw_status st = settle_others(a, p);
+    if (st) return st;
     bin_remove(p, b);
     if (addr > b->addr) { /* the bytes before addr stay cached */
         spw_block *t = split_tail(a, b, addr - b->addr, B_FREE, NULL);
@@ -598,13 +609,7 @@ spw_status spw__arena_alloc_at(spw_arena *a, uintptr_t addr, size_t bytes, spw_s
         b = t;
     }
     carve(a, b, n, p);
-    uintptr_t lo = b->addr, hi = b->addr + b->size;
-    for (int i = a->nowed; i-- > 0;) {
-        owed *o = &a->owed[i];
-        if (o->pool != p || o->hi <= lo || o->lo >= hi) continue;
-        w[(*nw)++] = (spw_arena_wait){SPW_MAX(lo, o->lo), SPW_MIN(hi, o->hi), o->ev};
-        if (o->lo >= lo && o->hi <= hi) owed_drop(a, i); /* wholly passed on */
-    }
+    pass_owed(a, p, b, w, nw);
     *out = b;
     return SPW_OK;
 }
