@@ -88,10 +88,11 @@ static const opt_def options[] = {
      "a prefetch may return cached device memory to make its room (a trim, which waits for the "
      "device); off declines such a prefetch and leaves the room to the demand load (steps with "
      "buffers of many sizes, where the trims would stall every step)"},
-    {"ring", OPT_ENUM, "on", "off|on", OFF(ring),
-     "policy=plan, vmm: a split's streamed buffers take its room in turn, each upload placed after "
-     "the one before it and evicting the oldest, whose work is done (a ring); off places them as "
-     "any other upload (where a victim's bytes happen to be)"},
+    {"ring", OPT_ENUM, "off", "off|on", OFF(ring),
+     "policy=plan, vmm: on streams a static split's buffers through its room in turn, each upload "
+     "placed after the one before it and evicting the oldest, whose work is done (a ring, room for "
+     "three of the largest); off places them as any other upload (where a victim's bytes happen to "
+     "be). Off by default until measured on a GPU"},
     {"host_budget", OPT_SIZE_PCT, "50%", NULL, OFF(host_budget),
      "pinned host bytes the buffer host pool may hold: a size or a percentage of physical RAM"},
     {"trace", OPT_STRING, "", NULL, OFF(trace),

@@ -333,8 +333,7 @@ static void prefetch_across_steps(void **state) {
     TEST_REQUIRE_EMU();
     uint8_t *host = malloc(SZ);
     for (int written = 0; written < 2; written++) {
-        /* the split's room of two buffers (in a ring it is three: test below) */
-        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,ring=off");
+        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0");
         ctx->engine->pol->early_max = PF_STATIC; /* the pipeline the timing picks on a link */
         spw_buf *b[4];
         for (int i = 0; i < 4; i++)
@@ -707,7 +706,7 @@ static void static_split_in_pages_streams_through_a_ring(void **state) {
     enum { NB = 12, STEPS = 12, FROM = 4 };
     const size_t kib[NB] = {6144, 3072, 5120, 2048, 4096, 6144, 1024, 5120, 3072, 6144, 2048, 4096};
     for (int ring = 1; ring >= 0; ring--) {
-        spw_ctx *ctx = test_ctx(ring ? "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on"
+        spw_ctx *ctx = test_ctx(ring ? "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,ring=on"
                                      : "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,ring=off");
         spw_policy *pol = ctx->engine->pol;
         pol->early_max = PF_STATIC;
