@@ -74,9 +74,9 @@ int spw__arena_next_run(const spw_arena *a, uintptr_t from, size_t bytes, spw_st
     size_t need = SPW_ALIGN_UP(bytes, ROUND);
     const spw_block *first = a->segs->first, *b = first;
     while (b && b->addr + b->size <= from) b = b->next;
-    bool wrapped = !b;
+    bool wrapped = !b; /* from lies past every block: one pass from the first */
     if (wrapped) b = first;
-    uintptr_t start = SPW_MAX(b->addr, SPW_ALIGN_UP(from, ROUND));
+    uintptr_t start = wrapped ? b->addr : SPW_MAX(b->addr, SPW_ALIGN_UP(from, ROUND));
     size_t k = 0;
     for (;;) {
         if (!b || (wrapped && b->addr >= from)) {

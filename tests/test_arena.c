@@ -471,6 +471,9 @@ static void next_run_and_alloc_at(void **state) {
     assert_true(at == a0 + 13 * MiB && n == 1 && (intptr_t)v[0] == 4);
     assert_int_equal(spw__arena_next_run(ctx->large, a0 + 13 * MiB, 4 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
     assert_true(at == a0 && n == 1 && (intptr_t)v[0] == 1);
+    /* from past every block: one pass from the first */
+    assert_int_equal(spw__arena_next_run(ctx->large, UINTPTR_MAX - 4096, 4 * MiB, NULL, accept_of, &k, v, 4, &n, &at), 1);
+    assert_true(at == a0 && n == 1 && (intptr_t)v[0] == 1);
     k.r[2] = 9; /* C is the ring's and not free yet: the scan stops there */
     assert_int_equal(spw__arena_next_run(ctx->large, a0, 6 * MiB, NULL, accept_of, &k, v, 4, &n, &at), -1);
     k.r[2] = 1;
