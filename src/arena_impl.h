@@ -77,6 +77,13 @@ struct spw_arena {
 static inline size_t page_floor(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_DOWN(x, a->p.page); }
 static inline size_t page_ceil(const spw_arena *a, uintptr_t x) { return SPW_ALIGN_UP(x, a->p.page); }
 
+/* Stream s's pool, or NULL (no cache, no creation: arena.c's pool_get does both). */
+static inline const spool *pool_find(const spw_arena *a, spw_stream s) {
+    for (size_t i = 0; i < a->npools; i++)
+        if (a->pools[i]->stream == s) return a->pools[i];
+    return NULL;
+}
+
 static inline int bin_of(size_t size) {
     size_t u = size / ROUND;
     if (u < 16) return (int)u;

@@ -1,8 +1,9 @@
 /*
  * The device arena: which live blocks to give up so that an allocation finds one run of
- * adjacent bytes without a trim (a window of the arena's choosing, or a range of the caller's). At the budget with no cached block large enough, the arena
- * would return scattered cached pages to the backend and map new ones, and an unmap waits for
- * the device (arena_trim.c). Emptying adjacent blocks instead costs only stream-ordered waits.
+ * adjacent bytes without a trim (a window of the arena's choosing, or a ring's next run from the
+ * caller's address). At the budget with no cached block large enough, the arena would return
+ * scattered cached pages to the backend and map new ones, and an unmap waits for the device
+ * (arena_trim.c). Emptying adjacent blocks instead costs only stream-ordered waits.
  * The caller ranks the candidates (the engine asks its policy) and evicts the owners this
  * names. Context lock held.
  */
@@ -21,9 +22,7 @@ size_t spw__arena_window(spw_arena *a, size_t bytes, spw_stream s, spw_arena_ran
                          size_t max) {
     if (!a->p.vmm || !a->segs || !max) return 0;
     size_t n = SPW_ALIGN_UP(bytes, ROUND), nb = 0;
-    const spool *p = NULL;
-    for (size_t i = 0; i < a->npools; i++)
-        if (a->pools[i]->stream == s) p = a->pools[i];
+    const spool *p = pool_find(a, s);
     for (const spw_block *b = a->segs->first; b; b = b->next) nb++;
     if (nb > a->nranks) { /* each block ranked once: a rank may cost the caller a lookup */
         uint64_t *r = realloc(a->ranks, nb * sizeof *r);
@@ -66,11 +65,8 @@ size_t spw__arena_window(spw_arena *a, size_t bytes, spw_stream s, spw_arena_ran
 int spw__arena_next_run(const spw_arena *a, uintptr_t from, size_t bytes, spw_stream s, int (*accept)(void *u, void *owner),
                         void *u, void **owners, size_t max, size_t *n, uintptr_t *at) {
     *n = 0;
-    if (!a->p.vmm || !a->segs) return 0;
-    const spool *p = NULL;
-    for (size_t i = 0; i < a->npools; i++)
-        if (a->pools[i]->stream == s) p = a->pools[i];
-    if (!p) return 0;
+    const spool *p = pool_find(a, s);
+    if (!a->p.vmm || !a->segs || !p) return 0;
     size_t need = SPW_ALIGN_UP(bytes, ROUND);
     const spw_block *first = a->segs->first, *b = first;
     while (b && b->addr + b->size <= from) b = b->next;

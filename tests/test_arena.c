@@ -402,17 +402,22 @@ static uint64_t rank_of(void *u, void *owner) {
     return k->r[(int)(intptr_t)owner - 1];
 }
 
+/* Blocks A-D of 4 MiB, adjacent in that order, owned by 1-4 (the index into k->r plus one). */
+static void own_four_blocks(spw_ctx *ctx, ranks *k) {
+    for (int i = 0; i < 4; i++) {
+        assert_ok(spw__arena_alloc(ctx->large, 4 * MiB, NULL, &k->blk[i]));
+        spw__block_set_owner(k->blk[i], (void *)(intptr_t)(i + 1));
+    }
+    for (int i = 1; i < 4; i++)
+        assert_true(spw__block_ptr(k->blk[i]) == (char *)spw__block_ptr(k->blk[i - 1]) + 4 * MiB);
+}
+
 static void window_picks_the_best_run(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
     spw_ctx *ctx = emu_ctx("vmm=on");
     ranks k = {{5, 0, 9, 1}, {0}};
-    for (int i = 0; i < 4; i++) {
-        assert_ok(spw__arena_alloc(ctx->large, 4 * MiB, NULL, &k.blk[i]));
-        spw__block_set_owner(k.blk[i], (void *)(intptr_t)(i + 1));
-    }
-    for (int i = 1; i < 4; i++)
-        assert_true(spw__block_ptr(k.blk[i]) == (char *)spw__block_ptr(k.blk[i - 1]) + 4 * MiB);
+    own_four_blocks(ctx, &k);
     spw__arena_free(ctx->large, k.blk[1], NULL);
     void *v[4];
     assert_int_equal(spw__arena_window(ctx->large, 8 * MiB, NULL, rank_of, &k, v, 4), 1);
@@ -453,10 +458,7 @@ static void next_run_and_alloc_at(void **state) {
     TEST_REQUIRE_EMU();
     spw_ctx *ctx = emu_ctx("vmm=on");
     ranks k = {{1, 0, 1, 1}, {0}};
-    for (int i = 0; i < 4; i++) {
-        assert_ok(spw__arena_alloc(ctx->large, 4 * MiB, NULL, &k.blk[i]));
-        spw__block_set_owner(k.blk[i], (void *)(intptr_t)(i + 1));
-    }
+    own_four_blocks(ctx, &k);
     uintptr_t a0 = (uintptr_t)spw__block_ptr(k.blk[0]), at = 0;
     void *v[4];
     size_t n = 0;
