@@ -68,6 +68,11 @@ static const opt_def options[] = {
      "buffers of room) and a split with one buffer of room and a quarter (each upload starts "
      "beside the buffer it replaces while that one is still read) for three steps each (the "
      "last two timed) and keeps the fastest"},
+    {"pipeline", OPT_ENUM, "auto", "auto|none|double|split|slot", OFF(pipeline),
+     "policy=plan, prefetch on: the pipeline that runs; auto times them (prefetch_early=auto); a "
+     "name runs that one from the first step that follows the plan, untimed: none (no prefetch), "
+     "double (the double buffer, prefetch_early=N deeper), split (the static split) or slot (the "
+     "split with one slot, left for the static split when its room does not hold)"},
     {"prefetch_thread", OPT_ENUM, "off", "off|on", OFF(prefetch_thread),
      "policy=plan: issue the prefetches that follow each acquire from a worker thread, so that "
      "the acquiring call does not enqueue the next buffers' copies itself; while a step is open "

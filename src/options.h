@@ -29,6 +29,8 @@ struct spw_config {
     spw_tristate prefetch;      /* policy=plan: prefetch ahead (auto = on) */
     int prefetch_early;         /* policy=plan: prefetches allowed ahead of the optimal schedule;
                                    -1: auto (tuned by measuring steps) */
+    int pipeline;               /* policy=plan: 0 = auto (timed), else the one named: 1 none, 2 the
+                                   double buffer, 3 the static split, 4 the split with one slot */
     int prefetch_thread;        /* policy=plan: 1 = the prefetches after an acquire run on a worker */
     int prefetch_trim;          /* 0 = a prefetch whose room needs a trim is declined */
     int ring;                   /* 0 = a split's streamed uploads take room as any other upload */

@@ -39,8 +39,14 @@ bool spw__plan_prefetching(const spw_ctx *ctx) {
     return pf == SPW_TRI_ON || (pf == SPW_TRI_AUTO && !ctx->dev.emulated);
 }
 
-/* prefetch_early=auto where prefetch runs: the pipeline is chosen by timing steps. */
-static bool auto_pipeline(const spw_ctx *ctx) { return ctx->cfg.prefetch_early < 0 && spw__plan_prefetching(ctx); }
+/* prefetch_early=auto where prefetch runs and no pipeline is named: the pipeline is chosen by
+ * timing steps. */
+static bool auto_pipeline(const spw_ctx *ctx) {
+    return !ctx->cfg.pipeline && ctx->cfg.prefetch_early < 0 && spw__plan_prefetching(ctx);
+}
+
+/* The pipeline option's names, by its value (0: auto, timed). */
+static const int NAMED_PIPELINES[] = {0, PF_OFF, 0, PF_STATIC, PF_SLOT};
 
 /* A pipeline was chosen by timing and is in force (then rechecked); false while timing. */
 static bool chosen_by_timing(const spw_policy *p) {
@@ -289,6 +295,9 @@ void spw__plan_describe(spw_policy *p, char *buf, size_t len) {
             size_t used = strlen(b);
             snprintf(b + used, n - used, "; timed again after the step time moved (%u so far)", p->retunes);
         }
+    } else if (p->ctx->cfg.pipeline) {
+        snprintf(b, n, "pipeline %s, as named (pipeline)%s", pipeline_name(p->early_max),
+                 p->slot_left ? "; the split with one slot was left: its room did not hold" : "");
     } else {
         snprintf(b, n, "prefetch with %d early (prefetch_early)", p->early_max);
     }
@@ -298,6 +307,7 @@ void spw__plan_trials_init(spw_policy *p) {
     /* the trial runs only where prefetch is on; elsewhere (off, or auto on the instant emu)
      * the early depth has no effect beyond user hints, judged by the floor rule */
     bool tune = auto_pipeline(p->ctx);
+    int named = spw__plan_prefetching(p->ctx) ? NAMED_PIPELINES[p->ctx->cfg.pipeline] : 0;
     p->trial = tune ? 0 : -1;
-    p->early_max = tune ? EARLY_TRIALS[0] : SPW_MAX(p->ctx->cfg.prefetch_early, 0);
+    p->early_max = tune ? EARLY_TRIALS[0] : named ? named : SPW_MAX(p->ctx->cfg.prefetch_early, 0);
 }

@@ -591,6 +591,70 @@ static void summary_line(void **state) {
     spw_ctx_destroy(ctx);
 }
 
+/* pipeline=NAME runs that pipeline from the first step that follows the plan, untimed: no trial
+ * opens, the summary names it, a split marks its fixed set, and every byte read is right. With
+ * prefetch off the name changes nothing. */
+static void a_named_pipeline_runs_untimed(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    static const struct {
+        const char *conf, *summary;
+        int mode;
+    } cases[] = {
+        {"budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=none", "pipeline no prefetch, as named", PF_OFF},
+        {"budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=double", "pipeline double buffer, as named", 0},
+        {"budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split", "pipeline static split, as named", PF_STATIC},
+        {"budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=slot", "pipeline split with one slot, as named", PF_SLOT},
+        {"budget=7MiB,policy=plan,grow_ahead=0,prefetch=off,pipeline=split", "no prefetch (prefetch=off)", 0},
+    };
+    enum { NB = 6, STEPS = 6 };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        spw_ctx *ctx = test_ctx(cases[c].conf);
+        spw_policy *pol = ctx->engine->pol;
+        spw_buf *b[NB];
+        uint8_t *tmp = malloc(SZ);
+        for (int i = 0; i < NB; i++) {
+            assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
+            memset(tmp, 0x30 + i, SZ);
+            assert_ok(spw_buf_write(b[i], 0, tmp, SZ));
+        }
+        atomic_int bad;
+        atomic_init(&bad, 0);
+        test_kcheck kc[NB];
+        for (int s = 0; s < STEPS; s++) {
+            assert_ok(spw_step_begin(ctx));
+            for (int i = 0; i < NB; i++) {
+                void *d;
+                assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
+                kc[i] = (test_kcheck){d, SZ, (uint8_t)(0x30 + i), NULL, &bad};
+                assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc[i]));
+                assert_ok(spw_release(b[i], NULL));
+            }
+            assert_ok(spw_step_end(ctx));
+            assert_ok(spw_stream_synchronize(ctx, NULL));
+            assert_int_equal(pol->trial, -1);
+        }
+        assert_int_equal(atomic_load(&bad), 0);
+        assert_int_equal(pol->early_max, cases[c].mode);
+        int fixed = 0;
+        for (int i = 0; i < NB; i++) fixed += kb_of(b[i])->fixed;
+        assert_true(spw__plan_fixed_pipeline(cases[c].mode) ? fixed > 0 && fixed < NB : fixed == 0);
+        char *text = test_summary(ctx, 0);
+        assert_non_null(strstr(text, cases[c].summary));
+        free(text);
+        free(tmp);
+        spw_ctx_destroy(ctx);
+    }
+    spw_config *cfg = NULL;
+    assert_ok(spw_config_create(&cfg));
+    assert_status(spw_config_set(cfg, "pipeline", "fastest"), SPW_ERR_CONFIG);
+    assert_non_null(strstr(spw_last_error(), "auto|none|double|split|slot"));
+    char v[16];
+    assert_ok(spw_config_get(cfg, "pipeline", v, sizeof v));
+    assert_string_equal(v, "auto");
+    spw_config_destroy(cfg);
+}
+
 /* Buffers of mixed sizes cycled at a budget that holds about half of them: once the plan is
  * learned no upload waits on the host for a trim; its room is one run of adjacent blocks given
  * up (window_evictions), and every byte read is right. */
@@ -706,10 +770,9 @@ static void static_split_in_pages_streams_through_a_ring(void **state) {
     enum { NB = 12, STEPS = 12, FROM = 4 };
     const size_t kib[NB] = {6144, 3072, 5120, 2048, 4096, 6144, 1024, 5120, 3072, 6144, 2048, 4096};
     for (int ring = 1; ring >= 0; ring--) {
-        spw_ctx *ctx = test_ctx(ring ? "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,ring=on"
-                                     : "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,ring=off");
+        spw_ctx *ctx = test_ctx(ring ? "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split,vmm=on,ring=on"
+                                     : "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split,vmm=on,ring=off");
         spw_policy *pol = ctx->engine->pol;
-        pol->early_max = PF_STATIC;
         spw_buf *b[NB];
         uint8_t *tmp = malloc(6 * MiB);
         size_t total = 0;
@@ -823,6 +886,7 @@ int main(void) {
         cmocka_unit_test(split_with_one_slot_left_when_displaced),
         cmocka_unit_test(split_with_one_slot_left_when_trimming),
         cmocka_unit_test(summary_line),
+        cmocka_unit_test(a_named_pipeline_runs_untimed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -131,6 +131,39 @@ def test_unet_with_a_block_larger_than_the_budget():
     off.remove()
 
 
+@pytest.mark.parametrize("ring", ["on", "off"])
+def test_a_unet_under_a_static_split_streams_its_units_through_a_ring(ring):
+    """pipeline="split" (named, untimed) with ring="on": the streamed units of the UNet, of many
+    sizes, go through the split's room in turn (ring uploads every step, the same number each
+    steady step, no trim); outputs stay equal to the resident model's and the weights move. Off,
+    the same split places none so."""
+    torch.manual_seed(0)
+    m = UNet().eval().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    x, t = torch.randn(2, 4, 16, 16), torch.randn(2, 64)
+    off = spt.offload(m, budget="24MiB", backend="emu", vmm="on", prefetch="on", pipeline="split", ring=ring,
+                      emu_link_gbps=20)
+    assert "device memory     pages" in off.summary()
+    rings, trims = [], []
+    with torch.no_grad():
+        want = ref(x, t)
+        for _ in range(8):
+            st0 = off.context.stats()
+            assert torch.equal(moved(off, lambda: m(x, t)), want)
+            st = off.context.stats()
+            rings.append(st["ring_uploads"]["total"] - st0["ring_uploads"]["total"])
+            trims.append(st["trim_syncs"]["total"] - st0["trim_syncs"]["total"])
+    assert "pipeline static split, as named" in off.summary()
+    if ring == "on":
+        steady = rings[3:]
+        assert steady[0] >= 2 and all(n == steady[0] for n in steady), rings
+        assert not any(trims[3:]), trims
+    else:
+        assert not any(rings), rings
+    assert off.context.stats()["held"]["peak"] <= off.context.budget
+    off.remove()
+
+
 # ---- a DiT with two block lists ----
 
 class Attention(nn.Module):
