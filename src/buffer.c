@@ -1,6 +1,7 @@
 /*
  * The offload engine: movable buffers, their state machine and the public buffer API.
- * Residency (device copies under pressure, eviction, read-mostly replicas) is residency.c.
+ * Residency (device copies under pressure, eviction, read-mostly replicas) is residency.c; the
+ * host side of the API (spw_buf_write, spw_buf_read, spw_buf_host_begin/end) is buffer_io.c.
  *
  * States of a live buffer (fields in engine.h):
  *   host       !resident, hv              contents only in host memory
@@ -46,7 +47,7 @@ static spw_status bad_handle(const spw_buf *b, const char *fn, uint32_t m) {
 }
 
 /* On SPW_OK the context lock is held (and due replica collapses are done). */
-static spw_status enter(spw_buf *b, const char *fn) {
+spw_status spw__buf_enter(spw_buf *b, const char *fn) {
     if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
     uint32_t m = atomic_load(&b->magic);
     if (m != SPW_BUF_ALIVE) return bad_handle(b, fn, m);
@@ -60,11 +61,11 @@ static spw_status enter(spw_buf *b, const char *fn) {
     return SPW_OK;
 }
 
-static void leave(spw_buf *b) { pthread_mutex_unlock(&b->ctx->lock); }
+void spw__buf_leave(spw_buf *b) { pthread_mutex_unlock(&b->ctx->lock); }
 
 /* The caller wrote the host copy: it holds the contents, live and neither dropped by the policy
  * nor mirrored by a read-mostly replica (the write invalidated the replica's pages). */
-static void host_written(spw_buf *b) {
+void spw__buf_host_written(spw_buf *b) {
     b->hv = true;
     b->dead = false;
     b->policy_dead = false;
@@ -72,14 +73,14 @@ static void host_written(spw_buf *b) {
 }
 
 /* Why a buffer with host_busy cannot be used now, for the error message. */
-static const char *busy_why(const spw_buf *b) {
+const char *spw__buf_busy_why(const spw_buf *b) {
     return b->host_open ? "open for host writes (spw_buf_host_begin)" : "being written by spw_buf_write";
 }
 
 /* The error of fn on a buffer that is acquired or host_busy. */
-static spw_status in_use(const char *fn, const spw_buf *b) {
+spw_status spw__buf_in_use(const char *fn, const spw_buf *b) {
     return spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                      b->acq ? "acquired; release it first" : busy_why(b));
+                      b->acq ? "acquired; release it first" : spw__buf_busy_why(b));
 }
 
 /* ---- policy queries (policy.h) ---- */
@@ -385,15 +386,15 @@ SPW_API size_t spw_buf_size(const spw_buf *buf) {
 }
 
 SPW_API spw_status spw_buf_destroy(spw_buf *b) {
-    spw_status st = enter(b, "spw_buf_destroy");
+    spw_status st = spw__buf_enter(b, "spw_buf_destroy");
     if (st) return st;
     spw_ctx *ctx = b->ctx;
     if (b->acq || b->host_open) {
         st = b->host_open ? spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is %s", (unsigned long long)b->id,
-                                       busy_why(b))
+                                       spw__buf_busy_why(b))
                           : spw__error(SPW_ERR_STATE, "spw_buf_destroy: buffer #%llu is acquired (%u times); "
                                        "release it first", (unsigned long long)b->id, b->acq);
-        leave(b);
+        spw__buf_leave(b);
         return st;
     }
     atomic_store(&b->magic, SPW_BUF_DYING); /* from here nothing else touches b */
@@ -439,7 +440,7 @@ static spw_status acquire_locked(spw_buf *b, spw_stream s, spw_access mode, void
         return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer #%llu is read-only (SPW_BUF_READ_ONLY); "
                           "mode %s would write it", fn, (unsigned long long)b->id,
                           mode == SPW_ACCESS_WRITE ? "WRITE" : "READ_WRITE");
-    if (b->host_busy) return in_use(fn, b); /* host_busy is never set on an acquired buffer */
+    if (b->host_busy) return spw__buf_in_use(fn, b); /* host_busy is never set on an acquired buffer */
     if (b->policy_dead && (mode & SPW_ACCESS_READ)) {
         /* loud, never stale data: the program left the pattern the drop was based on */
         return spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu were dropped by policy=plan, "
@@ -504,9 +505,9 @@ SPW_API spw_status spw_acquire(spw_buf *b, spw_stream s, spw_access mode, void *
     spw_status st;
     if ((st = check_mode(fn, mode))) return st;
     if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
-    if ((st = enter(b, fn))) return st;
+    if ((st = spw__buf_enter(b, fn))) return st;
     st = acquire_locked(b, s, mode, devptr);
-    leave(b);
+    spw__buf_leave(b);
     return st;
 }
 
@@ -544,9 +545,9 @@ static spw_status release_locked(spw_buf *b, spw_stream s) {
 
 SPW_API spw_status spw_release(spw_buf *b, spw_stream s) {
     spw_status st;
-    if ((st = enter(b, "spw_release"))) return st;
+    if ((st = spw__buf_enter(b, "spw_release"))) return st;
     st = release_locked(b, s);
-    leave(b);
+    spw__buf_leave(b);
     return st;
 }
 
@@ -558,17 +559,17 @@ SPW_API spw_status spw_release_acquire(spw_buf *done, spw_stream done_stream, sp
     if ((st = check_mode(fn, mode))) return st;
     if (!devptr) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: devptr is NULL", fn);
     if (!b) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: buffer is NULL", fn);
-    if ((st = enter(done, fn))) return st;
+    if ((st = spw__buf_enter(done, fn))) return st;
     if ((st = release_locked(done, done_stream))) {
-        leave(done);
+        spw__buf_leave(done);
         return st;
     }
     if (atomic_load(&b->magic) != SPW_BUF_ALIVE || b->ctx != done->ctx) {
-        leave(done); /* another context, or a handle to check: the plain call, on its own lock */
+        spw__buf_leave(done); /* another context, or a handle to check: the plain call, on its own lock */
         return spw_acquire(b, s, mode, devptr);
     }
     st = acquire_locked(b, s, mode, devptr);
-    leave(done);
+    spw__buf_leave(done);
     return st;
 }
 
@@ -605,13 +606,13 @@ spw_status spw__engine_stream_room(spw_ctx *ctx) {
  * acquires on every stream: they wait on the upload. */
 static spw_status prefetch_hint(spw_buf *b, bool may_evict, const char *fn) {
     spw_status st;
-    if ((st = enter(b, fn))) return st;
+    if ((st = spw__buf_enter(b, fn))) return st;
     st = prefetch_locked(b->ctx, b, 1, may_evict);
     if (st == SPW_ERR_OUT_OF_MEMORY) {
         spw__error_clear();
         st = SPW_OK;
     }
-    leave(b);
+    spw__buf_leave(b);
     return st;
 }
 
@@ -627,18 +628,18 @@ SPW_API spw_status spw_prefetch_free(spw_buf *b, spw_stream s) {
 
 SPW_API spw_status spw_evict(spw_buf *b) {
     spw_status st;
-    if ((st = enter(b, "spw_evict"))) return st;
-    st = b->host_busy ? in_use("spw_evict", b) : spw__res_evict_buf(b->ctx, b, true);
-    leave(b);
+    if ((st = spw__buf_enter(b, "spw_evict"))) return st;
+    st = b->host_busy ? spw__buf_in_use("spw_evict", b) : spw__res_evict_buf(b->ctx, b, true);
+    spw__buf_leave(b);
     return st;
 }
 
 SPW_API spw_status spw_discard(spw_buf *b) {
     spw_status st;
-    if ((st = enter(b, "spw_discard"))) return st;
+    if ((st = spw__buf_enter(b, "spw_discard"))) return st;
     if (b->acq || b->host_busy) {
-        st = in_use("spw_discard", b);
-        leave(b);
+        st = spw__buf_in_use("spw_discard", b);
+        spw__buf_leave(b);
         return st;
     }
     /* the device block (if any) stays for a later WRITE acquire; eviction just drops it */
@@ -646,7 +647,7 @@ SPW_API spw_status spw_discard(spw_buf *b) {
     b->policy_dead = false; /* the caller's own word: a READ then sees unspecified contents */
     b->hv = false;
     b->dv = false;
-    leave(b);
+    spw__buf_leave(b);
     return SPW_OK;
 }
 
@@ -675,130 +676,3 @@ static spw_status step(spw_ctx *ctx, bool begin) {
 
 SPW_API spw_status spw_step_begin(spw_ctx *ctx) { return step(ctx, true); }
 SPW_API spw_status spw_step_end(spw_ctx *ctx) { return step(ctx, false); }
-
-/* ---- host I/O (blocking by contract) ---- */
-
-static spw_status check_range(const char *fn, const spw_buf *b, size_t off, const void *p, size_t n) {
-    if (!p) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: host pointer is NULL", fn);
-    if (!n) return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: size 0", fn);
-    if (off > b->bytes || n > b->bytes - off)
-        return spw__error(SPW_ERR_INVALID_ARGUMENT, "%s: range [%zu, %zu + %zu) is outside the buffer of %zu B", fn,
-                          off, off, n, b->bytes);
-    return SPW_OK;
-}
-
-SPW_API spw_status spw_buf_write(spw_buf *b, size_t off, const void *src, size_t n) {
-    const char *fn = "spw_buf_write";
-    spw_status st;
-    if ((st = enter(b, fn))) return st;
-    spw_ctx *ctx = b->ctx;
-    if ((st = check_range(fn, b, off, src, n))) goto out;
-    if (b->acq || b->host_busy) {
-        st = in_use(fn, b);
-        goto out;
-    }
-    /* a partial write into a dirty buffer needs the rest of the contents on the host first */
-    bool whole = off == 0 && n == b->bytes;
-    if (spw__pol_dirty(b) && !whole && (st = spw__copy_writeback(ctx, b))) goto out;
-    spw_host_wait w;
-    spw__copy_host_wait_collect(ctx, b, true, &w);
-    b->host_busy = true; /* no upload reads the host copy while it is being filled */
-    pthread_mutex_unlock(&ctx->lock);
-    st = spw__copy_host_wait(ctx, &w);
-    if (!st) memcpy((char *)b->host + off, src, n);
-    pthread_mutex_lock(&ctx->lock);
-    b->host_busy = false;
-    if (st) goto out;
-    host_written(b);
-    if (!b->managed && b->resident) {
-        /* bring the device copy up to date, or drop it (always safe: the host copy is whole) */
-        if (!b->dv || spw__copy_upload_range(ctx, b, off, n)) {
-            spw__res_drop_device(ctx, b);
-        } else {
-            b->dv = true;
-            spw__pf_watch(ctx, b);
-        }
-    }
-    spw__error_clear();
-out:
-    leave(b);
-    return st;
-}
-
-SPW_API spw_status spw_buf_host_begin(spw_buf *b) {
-    const char *fn = "spw_buf_host_begin";
-    spw_status st;
-    if ((st = enter(b, fn))) return st;
-    spw_ctx *ctx = b->ctx;
-    if (b->acq || b->host_busy) {
-        st = in_use(fn, b);
-        leave(b);
-        return st;
-    }
-    /* the device copy is about to be stale: written back if dirty (managed: migrated), dropped */
-    if (b->resident && (st = spw__res_evict_buf(ctx, b, true))) {
-        leave(b);
-        return spw__error_prefix(st, "%s: dropping the device copy of buffer #%llu", fn, (unsigned long long)b->id);
-    }
-    spw_host_wait w;
-    spw__copy_host_wait_collect(ctx, b, true, &w);
-    b->host_busy = true; /* from here no upload reads the host copy, no call writes it */
-    b->host_open = true;
-    pthread_mutex_unlock(&ctx->lock);
-    st = spw__copy_host_wait(ctx, &w); /* a write-back into the host copy still in flight */
-    if (st) {
-        pthread_mutex_lock(&ctx->lock);
-        b->host_busy = false;
-        b->host_open = false;
-        pthread_mutex_unlock(&ctx->lock);
-        return spw__error_prefix(st, "%s: waiting for the transfers into buffer #%llu", fn, (unsigned long long)b->id);
-    }
-    return SPW_OK;
-}
-
-SPW_API spw_status spw_buf_host_end(spw_buf *b) {
-    const char *fn = "spw_buf_host_end";
-    spw_status st;
-    if ((st = enter(b, fn))) return st;
-    if (!b->host_open) {
-        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is not open for host writes (no spw_buf_host_begin)", fn,
-                        (unsigned long long)b->id);
-    } else {
-        b->host_open = false;
-        b->host_busy = false;
-        host_written(b); /* the device copy was dropped at the begin */
-    }
-    leave(b);
-    return st;
-}
-
-SPW_API spw_status spw_buf_read(spw_buf *b, size_t off, void *dst, size_t n) {
-    const char *fn = "spw_buf_read";
-    spw_status st;
-    if ((st = enter(b, fn))) return st;
-    spw_ctx *ctx = b->ctx;
-    if ((st = check_range(fn, b, off, dst, n))) goto out;
-    if (b->acq_writers || b->host_busy) {
-        st = spw__error(SPW_ERR_STATE, "%s: buffer #%llu is %s", fn, (unsigned long long)b->id,
-                        b->acq_writers ? "acquired for writing; release it first" : busy_why(b));
-        goto out;
-    }
-    if (ctx->engine->pops->on_host_read) ctx->engine->pops->on_host_read(ctx->engine->pol, b);
-    if (b->dead) {
-        st = spw__error(SPW_ERR_STATE, "%s: the contents of buffer #%llu are dead: discarded by spw_discard, or "
-                        "dropped by policy=plan because every learned step overwrote them before reading "
-                        "them; write them first", fn, (unsigned long long)b->id);
-        goto out;
-    }
-    /* dirty: copy back (the device copy stays, now clean) */
-    if (spw__pol_dirty(b) && (st = spw__copy_writeback(ctx, b))) goto out;
-    spw_host_wait w;
-    spw__copy_host_wait_collect(ctx, b, true, &w);
-    pthread_mutex_unlock(&ctx->lock);
-    st = spw__copy_host_wait(ctx, &w);
-    if (!st) memcpy(dst, (const char *)b->host + off, n);
-    return st;
-out:
-    leave(b);
-    return st;
-}

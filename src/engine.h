@@ -161,6 +161,18 @@ struct spw_engine {
     uint64_t pin_look;   /* the step of pin_share.c's previous look, 0 before the first */
 };
 
+/* ---- buffer.c: entering a buffer call (for buffer_io.c) ---- */
+/* Validate b's handle and take the context lock (held on SPW_OK; due replica collapses done);
+ * fn names the call in the error. */
+spw_status spw__buf_enter(spw_buf *b, const char *fn);
+void spw__buf_leave(spw_buf *b); /* drop the lock spw__buf_enter took */
+/* Lock held: the caller wrote the host copy, which now holds the live contents. */
+void spw__buf_host_written(spw_buf *b);
+/* Why a buffer with host_busy cannot be used now, for the error message. */
+const char *spw__buf_busy_why(const spw_buf *b);
+/* The error of fn on a buffer that is acquired or host_busy. */
+spw_status spw__buf_in_use(const char *fn, const spw_buf *b);
+
 /* ---- residency.c: device copies, eviction, replica collapse (context lock held) ----
  * Full contracts at the definitions. */
 /* Make b resident (not acquired); `upload` brings the contents. On failure nothing about b
