@@ -413,8 +413,9 @@ spw_status spw__res_make_resident(spw_ctx *ctx, spw_buf *b, bool upload, spw_str
     int nw = 0;
     e->owe_waits = upload && e->streams_ok;
     st = SPW_ERR_UNSUPPORTED;
-    if (e->owe_waits && ctx->cfg.ring && may_evict && ctx->cfg.on_exhaust == SPW_EXHAUST_EVICT &&
-        e->pops->ring_member && spw__arena_pages(a) && e->pops->ring_member(e->pol, b))
+    /* the ring is the large arena's (its cursor, ring_at): spw__pol_ring says whether it runs */
+    if (e->owe_waits && a == ctx->large && spw__pol_ring(ctx) && may_evict && ctx->cfg.on_exhaust == SPW_EXHAUST_EVICT &&
+        e->pops->ring_member && e->pops->ring_member(e->pol, b))
         st = ring_alloc(ctx, a, b, want, for_prefetch, &blk, w, &nw);
     if (st == SPW_ERR_UNSUPPORTED)
         st = alloc_evicting(ctx, a, want, as, b, for_prefetch, may_evict, false, &blk, e->owe_waits ? w : NULL, &nw);
