@@ -287,6 +287,25 @@ static void test_sweep_plan(void **state) {
     sweep_steps("budget=2MiB,grow_ahead=0,policy=plan,prefetch=on", 10);
 }
 
+/* The static split's ring (pipeline=split, ring=on; buffers in the large arena's pages) over 8
+ * steps of the scenario, whose writes make dirty victims the ring must write back: every upload
+ * of a streamed buffer is placed by the ring, under the faults. */
+static void test_sweep_ring(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    const char *conf = "budget=2MiB,grow_ahead=0,policy=plan,prefetch=on,pipeline=split,ring=on,vmm=on,"
+                       "small_limit=64KiB,vmm_page=128KiB,vmm_large_page=128KiB";
+    static run r;
+    setup(&r, conf);
+    scenario_steps(&r, 8);
+    assert_int_equal(r.errors, 0);
+    spw_stats st;
+    assert_ok(spw_stats_get(r.ctx, &st));
+    assert_true(st.ring_uploads.total > 8); /* the ring runs in this scenario */
+    finish(&r);
+    sweep_steps(conf, 8);
+}
+
 static void test_sweep_managed(void **state) {
     (void)state;
     TEST_REQUIRE_EMU();
@@ -336,6 +355,7 @@ int main(void) {
         cmocka_unit_test(test_sweep_explicit),
         cmocka_unit_test(test_sweep_explicit_novmm),
         cmocka_unit_test(test_sweep_plan),
+        cmocka_unit_test(test_sweep_ring),
         cmocka_unit_test(test_sweep_managed),
         cmocka_unit_test(test_create_faults),
     };
