@@ -103,6 +103,27 @@ static void worker_prefetches_the_plan(void **state) {
     spw_config_destroy(cfg);
 }
 
+/* The static split's ring with the worker: the prefetches the worker makes are placed by the
+ * ring as the acquiring call's would be, and every byte read is right. */
+static void the_ring_with_the_worker(void **state) {
+    (void)state;
+    TEST_REQUIRE_EMU();
+    spw_buf *b[NB];
+    spw_ctx *ctx = worker_ctx(b, "pipeline=split,ring=on,vmm=on,small_limit=64KiB,vmm_page=1MiB,"
+                                 "vmm_large_page=1MiB,emu_link_gbps=4");
+    atomic_int bad;
+    atomic_init(&bad, 0);
+    run_steps(ctx, b, 10, &bad);
+    assert_int_equal(atomic_load(&bad), 0);
+    spw_stats st = test_stats(ctx);
+    assert_true(spw__pf_runs(ctx) > 0);
+    assert_true(st.ring_uploads.total >= 10);
+    assert_true(st.plan_prefetch_bytes.total > 0);
+    assert_int_equal(st.plan_divergences.total, 0);
+    assert_ok(spw__arena_check(ctx->large));
+    spw_ctx_destroy(ctx);
+}
+
 typedef struct reader_arg {
     spw_ctx *ctx;
     spw_buf *buf;
@@ -287,6 +308,7 @@ static void uploads_seen_complete_need_no_wait(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(worker_prefetches_the_plan),
+        cmocka_unit_test(the_ring_with_the_worker),
         cmocka_unit_test(other_threads_meanwhile),
         cmocka_unit_test(teardown_while_polling_or_pending),
         cmocka_unit_test(releases_leave_their_record_to_the_worker),
