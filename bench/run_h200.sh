@@ -3,9 +3,9 @@
 # and the benchmarks whose numbers go into bench/RESULTS.md. Usage:
 #   bench/run_h200.sh [build] [test] [replay] [alloc] [probe] [stream] [shim] [managed] [plan]
 #                     [pytest] [peers] [cost] [offload] [diffusion] [pipeline] [smallcard]
-#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [grain] [shapes] [pageable] [quant] [moe]
-#                     (default: all but diffusion, pipeline, smallcard, train, diffab, grain, shapes, pageable, quant,
-#                     moe)
+#                     [train] [pytest-alloc] [torchalloc] [ddp] [diffab] [grain] [ring] [shapes] [pageable] [quant]
+#                     [moe] (default: all but diffusion, pipeline, smallcard, train, diffab, grain, ring, shapes,
+#                     pageable, quant, moe)
 # Logs go to $OUT (or ./h200-out) so they come back from the device machine. PYEXTRA: more of
 # PYTHONPATH for a benchmark (pyrun).
 set -uo pipefail
@@ -181,6 +181,29 @@ if has grain; then
     python3 bench/dev/room_bound.py --json "$OUT/room-grain.json" \
     --cases sd15:0.40,sd15:0.40:16,sd15:0.40:32,sdxl:0.35,sdxl:0.35:16,sdxl:0.35:32 2>&1 | grep "units" || rc=1
   cp "$OUT/room-grain.json" "$FINAL/" 2>/dev/null
+fi
+if has ring; then
+  # the static split through a ring (option ring, off by default until measured here): SD 1.5 at
+  # 40% and SDXL at 35%, each variant against resident in one process (the plan's own choice
+  # with and without the ring, and the split named); the same at finer units, step by step
+  # (bench/dev/plan_steps.py, div=N: units of at most budget / N); then the GPU offload tests
+  # with the ring on
+  log "the ring: bench/dev/diffusion_ab.py, bench/dev/plan_steps.py"
+  for c in "sd15 0.40" "sdxl 0.35"; do
+    set -- $c
+    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
+      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 2 \
+      --variants "plan;plan:ring=on;plan:ring=on,pipeline=split;plan:pipeline=split" \
+      >"$OUT/ring-ab-$1.txt" 2>&1 || rc=1
+    grep -v "^round\|Warn\|float32" "$OUT/ring-ab-$1.txt" | tail -10
+  done
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 500 \
+    python3 bench/dev/plan_steps.py --cases sd15:0.40,sdxl:0.35 --steps 30 --quiet \
+    --options "ring=on;ring=on,div=16;ring=on,div=32;div=16" >"$OUT/ring-steps.txt" 2>&1 || rc=1
+  grep -v "Warn\|float32" "$OUT/ring-steps.txt" | tail -40
+  SPILLWAY_CONF=ring=on SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
+    python3 -m pytest -q tests/gpu/test_torch_offload_gpu.py >"$OUT/ring-pytest.log" 2>&1 || rc=1
+  tail -3 "$OUT/ring-pytest.log"
 fi
 if has shapes; then
   # diffusers models whose forward reaches the weights by other roads (bench/dev/diffusers_shapes.py):
