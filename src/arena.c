@@ -596,8 +596,7 @@ spw_status spw__arena_alloc_at(spw_arena *a, uintptr_t addr, size_t bytes, spw_s
     size_t n = SPW_ALIGN_UP(bytes, ROUND);
     spool *p = pool_get(a, s, false);
     if (!a->p.vmm || !a->segs || !p || addr % ROUND) return SPW_ERR_OUT_OF_MEMORY;
-    spw_block *b = a->segs->first;
-    while (b && b->addr + b->size <= addr) b = b->next;
+    spw_block *b = block_from(a, addr);
     if (!b || b->state != B_FREE || b->pool != p || b->addr + b->size < addr + n) return SPW_ERR_OUT_OF_MEMORY;
     spw_status st = settle_others(a, p);
     if (st) return st;

@@ -84,6 +84,14 @@ static inline const spool *pool_find(const spw_arena *a, spw_stream s) {
     return NULL;
 }
 
+/* VMM (one segment): the first block that ends past addr, the one holding addr or the next;
+ * NULL past every block. */
+static inline spw_block *block_from(const spw_arena *a, uintptr_t addr) {
+    spw_block *b = a->segs->first;
+    while (b && b->addr + b->size <= addr) b = b->next;
+    return b;
+}
+
 static inline int bin_of(size_t size) {
     size_t u = size / ROUND;
     if (u < 16) return (int)u;

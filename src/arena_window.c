@@ -68,8 +68,7 @@ int spw__arena_next_run(const spw_arena *a, uintptr_t from, size_t bytes, spw_st
     const spool *p = pool_find(a, s);
     if (!a->p.vmm || !a->segs || !p) return 0;
     size_t need = SPW_ALIGN_UP(bytes, ROUND);
-    const spw_block *first = a->segs->first, *b = first;
-    while (b && b->addr + b->size <= from) b = b->next;
+    const spw_block *first = a->segs->first, *b = block_from(a, from);
     bool wrapped = !b; /* from lies past every block: one pass from the first */
     if (wrapped) b = first;
     uintptr_t start = wrapped ? b->addr : SPW_MAX(b->addr, SPW_ALIGN_UP(from, ROUND));
