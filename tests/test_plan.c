@@ -333,8 +333,8 @@ static void prefetch_across_steps(void **state) {
     TEST_REQUIRE_EMU();
     uint8_t *host = malloc(SZ);
     for (int written = 0; written < 2; written++) {
-        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0");
-        ctx->engine->pol->early_max = PF_STATIC; /* the pipeline the timing picks on a link */
+        /* the pipeline the timing picks on a link */
+        spw_ctx *ctx = test_ctx("budget=7MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split");
         spw_buf *b[4];
         for (int i = 0; i < 4; i++)
             assert_ok(spw_buf_create(ctx, SZ, i == 3 && written ? 0 : SPW_BUF_READ_ONLY, &b[i]));
@@ -445,9 +445,8 @@ enum { SLOT_NB = 8 };
 /* Eight read-only 4 MiB buffers filled with 0x30 + i under 18 MiB, pipeline SLOT in force (as the
  * timing may pick it on a link). */
 static spw_ctx *slot_ctx(spw_buf *b[SLOT_NB]) {
-    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=on,"
+    spw_ctx *ctx = test_ctx("budget=18MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=slot,vmm=on,"
                             "vmm_large_page=2MiB");
-    ctx->engine->pol->early_max = PF_SLOT;
     for (int i = 0; i < SLOT_NB; i++) {
         assert_ok(spw_buf_create(ctx, SLOT_L, SPW_BUF_READ_ONLY, &b[i]));
         test_fill_buf(b[i], (uint8_t)(0x30 + i));
@@ -480,13 +479,9 @@ static void split_with_one_slot(void **state) {
         }
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
-            void *d;
             /* a hint for the buffer after next, as bench stream gives */
             assert_ok(spw_prefetch(b[(i + 2) % NB], NULL));
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            k[i] = (test_kcheck){d, L, (uint8_t)(0x30 + i), NULL, &bad};
-            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k[i]));
-            assert_ok(spw_release(b[i], NULL));
+            test_checked_read(ctx, b[i], (uint8_t)(0x30 + i), &k[i], &bad);
         }
         assert_ok(spw_step_end(ctx));
         assert_ok(spw_stream_synchronize(ctx, NULL));
@@ -513,7 +508,6 @@ static void split_with_one_slot(void **state) {
 static void slot_run(int how) {
     TEST_REQUIRE_EMU();
     enum { NB = SLOT_NB, STEPS = 10 };
-    const size_t L = SLOT_L;
     spw_buf *b[NB];
     spw_ctx *ctx = slot_ctx(b);
     spw_policy *pol = ctx->engine->pol;
@@ -525,11 +519,7 @@ static void slot_run(int how) {
         assert_ok(spw_step_begin(ctx));
         slot_steps += pol->early_max == PF_SLOT;
         for (int i = 0; i < NB; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            k[i] = (test_kcheck){d, L, (uint8_t)(0x30 + i), NULL, &bad};
-            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &k[i]));
-            assert_ok(spw_release(b[i], NULL));
+            test_checked_read(ctx, b[i], (uint8_t)(0x30 + i), &k[i], &bad);
             if (how == 0 && i == 2 && s >= 1) assert_ok(spw_evict(b[2]));
             if (i == 2 && (how == 1 || (how == 2 && s == 4))) ctx->stats.trim_syncs.total++;
         }
@@ -612,24 +602,16 @@ static void a_named_pipeline_runs_untimed(void **state) {
         spw_ctx *ctx = test_ctx(cases[c].conf);
         spw_policy *pol = ctx->engine->pol;
         spw_buf *b[NB];
-        uint8_t *tmp = malloc(SZ);
         for (int i = 0; i < NB; i++) {
             assert_ok(spw_buf_create(ctx, SZ, SPW_BUF_READ_ONLY, &b[i]));
-            memset(tmp, 0x30 + i, SZ);
-            assert_ok(spw_buf_write(b[i], 0, tmp, SZ));
+            test_fill_buf(b[i], (uint8_t)(0x30 + i));
         }
         atomic_int bad;
         atomic_init(&bad, 0);
         test_kcheck kc[NB];
         for (int s = 0; s < STEPS; s++) {
             assert_ok(spw_step_begin(ctx));
-            for (int i = 0; i < NB; i++) {
-                void *d;
-                assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-                kc[i] = (test_kcheck){d, SZ, (uint8_t)(0x30 + i), NULL, &bad};
-                assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc[i]));
-                assert_ok(spw_release(b[i], NULL));
-            }
+            for (int i = 0; i < NB; i++) test_checked_read(ctx, b[i], (uint8_t)(0x30 + i), &kc[i], &bad);
             assert_ok(spw_step_end(ctx));
             assert_ok(spw_stream_synchronize(ctx, NULL));
             assert_int_equal(pol->trial, -1);
@@ -642,7 +624,6 @@ static void a_named_pipeline_runs_untimed(void **state) {
         char *text = test_summary(ctx, 0);
         assert_non_null(strstr(text, cases[c].summary));
         free(text);
-        free(tmp);
         spw_ctx_destroy(ctx);
     }
     spw_config *cfg = NULL;
@@ -665,11 +646,9 @@ static void mixed_sizes_need_no_trim(void **state) {
     const size_t mib[NB] = {3, 5, 2, 7, 4, 6, 1};
     spw_ctx *ctx = test_ctx("budget=16MiB,policy=plan,grow_ahead=0,prefetch=off,vmm=on");
     spw_buf *b[NB];
-    uint8_t *tmp = malloc(8 * MiB);
     for (int i = 0; i < NB; i++) {
         assert_ok(spw_buf_create(ctx, mib[i] * MiB + 4096 * (size_t)i, SPW_BUF_READ_ONLY, &b[i]));
-        memset(tmp, 0x30 + i, mib[i] * MiB + 4096 * (size_t)i);
-        assert_ok(spw_buf_write(b[i], 0, tmp, mib[i] * MiB + 4096 * (size_t)i));
+        test_fill_buf(b[i], (uint8_t)(0x30 + i));
     }
     atomic_int bad;
     atomic_init(&bad, 0);
@@ -678,11 +657,8 @@ static void mixed_sizes_need_no_trim(void **state) {
         if (s == 3) trims_before = test_stats(ctx).trim_syncs.total;
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            test_kcheck kc = {d, mib[i] * MiB + 4096 * (size_t)i, (uint8_t)(0x30 + i), NULL, &bad};
-            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc));
-            assert_ok(spw_release(b[i], NULL));
+            test_kcheck kc;
+            test_checked_read(ctx, b[i], (uint8_t)(0x30 + i), &kc, &bad);
             assert_ok(spw_stream_synchronize(ctx, NULL));
         }
     }
@@ -693,7 +669,6 @@ static void mixed_sizes_need_no_trim(void **state) {
     assert_int_equal(st.trim_syncs.total - trims_before, 0);
     assert_true(st.window_evictions.total > 0);
     assert_true(st.held.peak <= 16 * (int64_t)MiB);
-    free(tmp);
     spw_ctx_destroy(ctx);
 }
 
@@ -707,15 +682,12 @@ static void static_split_in_segments_needs_no_trim(void **state) {
     TEST_REQUIRE_EMU();
     enum { NB = 12, STEPS = 12, FROM = 4 };
     const size_t mib[NB] = {6, 4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5};
-    spw_ctx *ctx = test_ctx("budget=30MiB,policy=plan,grow_ahead=0,prefetch=on,prefetch_early=0,vmm=off");
+    spw_ctx *ctx = test_ctx("budget=30MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split,vmm=off");
     spw_policy *pol = ctx->engine->pol;
-    pol->early_max = PF_STATIC;
     spw_buf *b[NB];
-    uint8_t *tmp = malloc(6 * MiB);
     for (int i = 0; i < NB; i++) {
         assert_ok(spw_buf_create(ctx, mib[i] * MiB, SPW_BUF_READ_ONLY, &b[i]));
-        memset(tmp, 0x40 + i, mib[i] * MiB);
-        assert_ok(spw_buf_write(b[i], 0, tmp, mib[i] * MiB));
+        test_fill_buf(b[i], (uint8_t)(0x40 + i));
     }
     atomic_int bad;
     atomic_init(&bad, 0);
@@ -728,11 +700,8 @@ static void static_split_in_segments_needs_no_trim(void **state) {
         }
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
-            void *d;
-            assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-            test_kcheck kc = {d, mib[i] * MiB, (uint8_t)(0x40 + i), NULL, &bad};
-            assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc));
-            assert_ok(spw_release(b[i], NULL));
+            test_kcheck kc;
+            test_checked_read(ctx, b[i], (uint8_t)(0x40 + i), &kc, &bad);
             assert_ok(spw_stream_synchronize(ctx, NULL));
         }
         assert_ok(spw_step_end(ctx));
@@ -756,7 +725,6 @@ static void static_split_in_segments_needs_no_trim(void **state) {
     assert_int_equal(st.trim_syncs.total - trims0, 0);
     assert_true(st.bytes_h2d.total - h2d0 >= (int64_t)((STEPS - FROM) * 20 * MiB)); /* 60 MiB through 30 */
     assert_true(st.held.peak <= 30 * (int64_t)MiB);
-    free(tmp);
     spw_ctx_destroy(ctx);
 }
 
@@ -774,12 +742,10 @@ static void static_split_in_pages_streams_through_a_ring(void **state) {
                                      : "budget=32MiB,policy=plan,grow_ahead=0,prefetch=on,pipeline=split,vmm=on,ring=off");
         spw_policy *pol = ctx->engine->pol;
         spw_buf *b[NB];
-        uint8_t *tmp = malloc(6 * MiB);
         size_t total = 0;
         for (int i = 0; i < NB; i++) {
             assert_ok(spw_buf_create(ctx, kib[i] * 1024, SPW_BUF_READ_ONLY, &b[i]));
-            memset(tmp, 0x50 + i, kib[i] * 1024);
-            assert_ok(spw_buf_write(b[i], 0, tmp, kib[i] * 1024));
+            test_fill_buf(b[i], (uint8_t)(0x50 + i));
             total += kib[i] * 1024;
         }
         atomic_int bad;
@@ -793,13 +759,7 @@ static void static_split_in_pages_streams_through_a_ring(void **state) {
                 for (int i = 0; i < NB; i++) streamed += kb_of(b[i])->fixed ? 0 : kib[i] * 1024;
             }
             assert_ok(spw_step_begin(ctx));
-            for (int i = 0; i < NB; i++) {
-                void *d;
-                assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-                kc[i] = (test_kcheck){d, kib[i] * 1024, (uint8_t)(0x50 + i), NULL, &bad};
-                assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, &kc[i]));
-                assert_ok(spw_release(b[i], NULL));
-            }
+            for (int i = 0; i < NB; i++) test_checked_read(ctx, b[i], (uint8_t)(0x50 + i), &kc[i], &bad);
             assert_ok(spw_step_end(ctx));
             assert_ok(spw_stream_synchronize(ctx, NULL));
         }
@@ -818,7 +778,6 @@ static void static_split_in_pages_streams_through_a_ring(void **state) {
             assert_int_equal(st.ring_uploads.total, 0);
         }
         assert_true(st.held.peak <= 32 * (int64_t)MiB);
-        free(tmp);
         spw_ctx_destroy(ctx);
     }
 }

@@ -31,23 +31,13 @@ static spw_ctx *worker_ctx(spw_buf **b, const char *extra) {
 
 /* `steps` cyclic steps over b, every byte of every acquisition checked on the stream, gap_us
  * between acquisitions (a framework enqueuing the work that uses each: the worker's time) */
-/* Acquire b[i], check its bytes on the stream (through *k, which must live until the stream
- * ran it), release it. */
-static void checked_use(spw_ctx *ctx, spw_buf **b, int i, test_kcheck *k, atomic_int *bad) {
-    void *d;
-    assert_ok(spw_acquire(b[i], NULL, SPW_ACCESS_READ, &d));
-    *k = (test_kcheck){d, SZ, (uint8_t)(0x40 + i), NULL, bad};
-    assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, k));
-    assert_ok(spw_release(b[i], NULL));
-}
-
 static void run_steps_gap(spw_ctx *ctx, spw_buf **b, int steps, atomic_int *bad, long gap_us) {
     const struct timespec gap = {0, gap_us * 1000};
     test_kcheck k[NB];
     for (int s = 0; s < steps; s++) {
         assert_ok(spw_step_begin(ctx));
         for (int i = 0; i < NB; i++) {
-            checked_use(ctx, b, i, &k[i], bad);
+            test_checked_read(ctx, b[i], (uint8_t)(0x40 + i), &k[i], bad);
             nanosleep(&gap, NULL);
         }
         assert_ok(spw_step_end(ctx));
@@ -288,7 +278,7 @@ static void uploads_seen_complete_need_no_wait(void **state) {
             }
             assert_int_not_equal(st, B_PENDING); /* the worker asks while the step is open */
             int64_t stalls = test_stats(ctx).stalls.total;
-            checked_use(ctx, b, i, &k[i], &bad);
+            test_checked_read(ctx, b[i], (uint8_t)(0x40 + i), &k[i], &bad);
             if (st == B_SEEN) {
                 seen_acquires++;
                 assert_int_equal(test_stats(ctx).stalls.total, stalls); /* no wait (a release never stalls) */

@@ -95,6 +95,14 @@ void test_kcheck_cb(void *arg) {
         }
 }
 
+void test_checked_read(spw_ctx *ctx, spw_buf *b, uint8_t v, test_kcheck *k, _Atomic int *bad) {
+    void *d;
+    assert_ok(spw_acquire(b, NULL, SPW_ACCESS_READ, &d));
+    *k = (test_kcheck){d, spw_buf_size(b), v, NULL, bad};
+    assert_ok(spw_launch_host(ctx, NULL, test_kcheck_cb, k));
+    assert_ok(spw_release(b, NULL));
+}
+
 void test_fill_buf(spw_buf *b, uint8_t v) {
     size_t n = spw_buf_size(b);
     uint8_t *tmp = malloc(n);

@@ -97,6 +97,9 @@ typedef struct test_kfill {
 void test_kfill_cb(void *arg);
 /* Fill buffer b's contents with v (spw_buf_write). */
 void test_fill_buf(spw_buf *b, uint8_t v);
+/* Acquire b for reading on the default stream, check there (test_kcheck_cb, through *k, which
+ * must live until the stream ran it) that every byte of it reads v, release it. */
+void test_checked_read(spw_ctx *ctx, spw_buf *b, uint8_t v, test_kcheck *k, _Atomic int *bad);
 
 /* xorshift PRNG, deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
