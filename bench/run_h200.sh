@@ -17,12 +17,16 @@ trap 'tar czf "$FINAL/logs.tgz" -C "$OUT" . 2>/dev/null' EXIT
 TRACES=${TRACES:-tests/data}
 steps=${*:-build test shim replay alloc probe stream managed plan pytest peers offload pytest-alloc torchalloc ddp}
 has() { [[ " $steps " == *" $1 "* ]]; }
+# py SECONDS ARGS...: python3 ARGS against this build, under a timeout
+py() {
+  local secs=$1; shift
+  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python${PYEXTRA:+:$PYEXTRA} timeout "$secs" python3 "$@"
+}
 # pyrun NAME SECONDS SCRIPT ARGS...: a Python benchmark against this build, with --json
 # $OUT/NAME.json, stdout to the console and $OUT/NAME.txt, stderr to $OUT/NAME.err (its tail shown)
 pyrun() {
   local name=$1 secs=$2; shift 2
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python${PYEXTRA:+:$PYEXTRA} timeout "$secs" \
-    python3 "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" || rc=1
+  py "$secs" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" || rc=1
   tail -15 "$OUT/$name.err"
 }
 log() { echo "=== $* ($(date +%T))"; }
@@ -118,8 +122,7 @@ PY
 fi
 if has pytest; then
   log "pytest tests/gpu/test_torch_offload_gpu.py test_torch_train_gpu.py test_peft_gpu.py test_quantized_gpu.py test_compile_gpu.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 400 \
-    python3 -m pytest -q -s -p no:logging tests/gpu/test_torch_offload_gpu.py tests/gpu/test_torch_train_gpu.py \
+  py 400 -m pytest -q -s -p no:logging tests/gpu/test_torch_offload_gpu.py tests/gpu/test_torch_train_gpu.py \
     tests/gpu/test_peft_gpu.py tests/gpu/test_quantized_gpu.py tests/gpu/test_compile_gpu.py >"$OUT/pytest-gpu.log" 2>&1 || rc=1
   grep -E "worst|passed|failed|Error" "$OUT/pytest-gpu.log" | tail -30
 fi
@@ -129,8 +132,7 @@ if has peers; then
 fi
 if has cost; then
   log "bench/dev/acquire_cost.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 120 \
-    python3 bench/dev/acquire_cost.py 2>&1 | tee "$OUT/acquire_cost.txt" || rc=1
+  py 120 bench/dev/acquire_cost.py 2>&1 | tee "$OUT/acquire_cost.txt" || rc=1
 fi
 if has offload; then
   log "bench/peers/torch_offload.py"
@@ -152,8 +154,7 @@ if has diffab; then
   for c in "sd15 0.40 3 plan;plan:runs=grouped;plan:vmm=off" "sdxl 0.35 2 plan;plan:runs=grouped;plan:vmm=off" \
            "flux 8589934592 2 plan;plan:vmm=off"; do
     set -- $c
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 300 \
-      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds $3 --variants "$4" \
+    PYEXTRA=$DIFFUSERS_PATH py 300 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds $3 --variants "$4" \
       >"$OUT/diffab-$1.txt" 2>&1 || rc=1
     grep -v "^round\|Warn\|float32" "$OUT/diffab-$1.txt" | tail -8
   done
@@ -171,14 +172,12 @@ if has grain; then
   log "the partition's grain: bench/dev/diffusion_ab.py, bench/dev/room_bound.py"
   for c in "sd15 0.40 42991616 21495808" "sdxl 0.35 112197632 56098816"; do
     set -- $c
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
-      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 3 \
+    PYEXTRA=$DIFFUSERS_PATH py 400 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 3 \
       --variants "plan;plan:unit_max=$3;plan:unit_max=$4;plan:vmm=off;plan:vmm=off,unit_max=$4" \
       >"$OUT/grain-$1.txt" 2>&1 || rc=1
     grep -v "^round\|Warn\|float32\|first 20" "$OUT/grain-$1.txt" | tail -9
   done
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 300 \
-    python3 bench/dev/room_bound.py --json "$OUT/room-grain.json" \
+  PYEXTRA=$DIFFUSERS_PATH py 300 bench/dev/room_bound.py --json "$OUT/room-grain.json" \
     --cases sd15:0.40,sd15:0.40:16,sd15:0.40:32,sdxl:0.35,sdxl:0.35:16,sdxl:0.35:32 2>&1 | grep "units" || rc=1
   cp "$OUT/room-grain.json" "$FINAL/" 2>/dev/null
 fi
@@ -191,26 +190,23 @@ if has ring; then
   log "the ring: bench/dev/diffusion_ab.py, bench/dev/plan_steps.py"
   for c in "sd15 0.40" "sdxl 0.35"; do
     set -- $c
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
-      python3 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 2 \
+    PYEXTRA=$DIFFUSERS_PATH py 400 bench/dev/diffusion_ab.py --model $1 --budget $2 --rounds 2 \
       --variants "plan;plan:ring=on;plan:ring=on,pipeline=split;plan:pipeline=split" \
       >"$OUT/ring-ab-$1.txt" 2>&1 || rc=1
     grep -v "^round\|Warn\|float32" "$OUT/ring-ab-$1.txt" | tail -10
   done
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 500 \
-    python3 bench/dev/plan_steps.py --cases sd15:0.40,sdxl:0.35 --steps 30 --quiet \
+  PYEXTRA=$DIFFUSERS_PATH py 500 bench/dev/plan_steps.py --cases sd15:0.40,sdxl:0.35 --steps 30 --quiet \
     --options "ring=on;ring=on,div=16;ring=on,div=32;div=16" >"$OUT/ring-steps.txt" 2>&1 || rc=1
   grep -v "Warn\|float32" "$OUT/ring-steps.txt" | tail -40
-  SPILLWAY_CONF=ring=on SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
-    python3 -m pytest -q tests/gpu/test_torch_offload_gpu.py >"$OUT/ring-pytest.log" 2>&1 || rc=1
+  SPILLWAY_CONF=ring=on py 300 -m pytest -q tests/gpu/test_torch_offload_gpu.py >"$OUT/ring-pytest.log" 2>&1 || rc=1
   tail -3 "$OUT/ring-pytest.log"
 fi
 if has shapes; then
   # diffusers models whose forward reaches the weights by other roads (bench/dev/diffusers_shapes.py):
   # weight_norm's pre-hooks, fp8 layerwise casting, GGUF parameters; each bitwise against resident
   log "bench/dev/diffusers_shapes.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python:$DIFFUSERS_PATH timeout 400 \
-    python3 bench/dev/diffusers_shapes.py ${SHAPES_ARGS:-} 2>"$OUT/shapes.err" | tee "$OUT/shapes.txt" || rc=1
+  PYEXTRA=$DIFFUSERS_PATH py 400 \
+    bench/dev/diffusers_shapes.py ${SHAPES_ARGS:-} 2>"$OUT/shapes.err" | tee "$OUT/shapes.txt" || rc=1
   tail -15 "$OUT/shapes.err"
 fi
 if has pageable; then
@@ -243,8 +239,7 @@ if has pytest-alloc; then
   # spillway.torch.use_allocator against the default allocator, both modes: four processes at
   # once (tests/gpu/torch_alloc_cases.py), about 60-120 s
   log "pytest tests/gpu/test_torch_alloc_gpu.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 200 \
-    python3 -m pytest -q -s tests/gpu/test_torch_alloc_gpu.py >"$OUT/pytest-torch-alloc.log" 2>&1 || rc=1
+  py 200 -m pytest -q -s tests/gpu/test_torch_alloc_gpu.py >"$OUT/pytest-torch-alloc.log" 2>&1 || rc=1
   grep -E "^(default|global|pool|kv):|^  [a-z_]+ (default|global|pool|kv):|passed|failed|Error" \
     "$OUT/pytest-torch-alloc.log" | cut -c1-600
 fi
@@ -273,8 +268,7 @@ if has quant; then
   # quantized models offloaded: transformers' classes under torchao and bitsandbytes (each where installed)
   for q in torchao-int8 bnb-nf4; do
     log "transformers_zoo.py --quant $q"
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 300 \
-      python3 bench/dev/transformers_zoo.py --quant $q ${QUANT_ZOO:-llama qwen3 gemma2 mixtral qwen3_moe t5} \
+    py 300 bench/dev/transformers_zoo.py --quant $q ${QUANT_ZOO:-llama qwen3 gemma2 mixtral qwen3_moe t5} \
       >"$OUT/zoo-$q.txt" 2>&1 || rc=1
     tail -12 "$OUT/zoo-$q.txt"
   done
@@ -282,16 +276,14 @@ fi
 if has moe; then
   # greedy decoding through a mixture of experts in a ModuleList (bench/dev/moe_decode.py)
   log "bench/dev/moe_decode.py"
-  SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 150 \
-    python3 bench/dev/moe_decode.py ${MOE_ARGS:-} >"$OUT/moe.txt" 2>&1 || rc=1
+  py 150 bench/dev/moe_decode.py ${MOE_ARGS:-} >"$OUT/moe.txt" 2>&1 || rc=1
   tail -8 "$OUT/moe.txt"
   # transformers' fused experts, expert by expert against whole (bench/dev/hf_moe_decode.py)
   log "bench/dev/hf_moe_decode.py"
   for args in "--arch qwen3_moe --layers 12 --budget 4GiB --batch 1" "--arch qwen3_moe --layers 12 --budget 4GiB --batch 4" \
               "--arch mixtral --layers 4 --budget 6GiB --batch 1" "--arch mixtral --layers 4 --budget 6GiB --batch 4"; do
     echo "--- hf_moe_decode.py $args"
-    SPILLWAY_LIBRARY=$PWD/build/libspillway.so PYTHONPATH=$PWD/python timeout 150 \
-      python3 bench/dev/hf_moe_decode.py $args 2>>"$OUT/hf_moe.err" | tee -a "$OUT/hf_moe.txt" || rc=1
+    py 150 bench/dev/hf_moe_decode.py $args 2>>"$OUT/hf_moe.err" | tee -a "$OUT/hf_moe.txt" || rc=1
   done
 fi
 log "done rc=$rc"
