@@ -220,6 +220,15 @@ void spw__plan_choose_fixed(spw_policy *p, int mode) {
     }
 }
 
+/* Evict every clean evictable buffer, or with keep_fixed every one outside the fixed set. */
+static void evict_clean(spw_ctx *ctx, bool keep_fixed) {
+    for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b)) {
+        kbuf *kb = keep_fixed ? kb_of(b) : NULL;
+        if ((!kb || !kb->fixed) && spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b))
+            spw__error_clear();
+    }
+}
+
 bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx, bool compact) {
     bool missing = false;
     kbuf *k, *tmp;
@@ -230,8 +239,7 @@ bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx, bool compact) {
      * first, so that it lies in one run and the ring's room in another. */
     spw_status st = SPW_OK;
     if (compact) {
-        for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b))
-            if (spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b)) spw__error_clear();
+        evict_clean(ctx, false);
         if (spw__engine_stream_room(ctx)) spw__error_clear();
     }
     p->taking_up = true;
@@ -243,11 +251,7 @@ bool spw__plan_take_up_fixed(spw_policy *p, spw_ctx *ctx, bool compact) {
         spw__error_clear();
         return true; /* the room stays as it is; the next step boundary tries again */
     }
-    for (spw_buf *b = spw__pol_first(ctx); b; b = spw__pol_next(b)) {
-        kbuf *kb = kb_of(b);
-        if ((!kb || !kb->fixed) && spw__pol_evictable(b) && !spw__pol_dirty(b) && spw__engine_evict(ctx, b))
-            spw__error_clear();
-    }
+    evict_clean(ctx, true);
     /* compacted: the fixed set took the start of the room made above, the rest is one piece */
     if (!compact && spw__engine_stream_room(ctx)) spw__error_clear();
     return true;
